@@ -1,0 +1,20 @@
+"""aioshmq: one writer broadcasts Python objects to N reader processes through shared memory."""
+
+from ._errors import CorruptedError, Empty, Full, PeerDied
+from ._reader import Reader, ReaderStatistics, connect
+from ._writer import Handle, Writer, WriterStatistics, create
+
+__all__ = [
+    "CorruptedError",
+    "Empty",
+    "Full",
+    "Handle",
+    "PeerDied",
+    "Reader",
+    "ReaderStatistics",
+    "Writer",
+    "WriterStatistics",
+    "connect",
+    "create",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,272 @@
+"""The reading end: ``connect()`` and ``Reader``, an anyio object receive stream over a ring."""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+from typing import Any, Generic, NamedTuple, TypeVar
+
+import anyio
+from anyio.abc import ObjectReceiveStream
+
+from . import _layout as L
+from ._broker import BYE, check_name, request
+from ._end import End, deadline_of
+from ._errors import Empty, PeerDied
+from ._layout import Layout
+from ._ring import RingReader, decode
+from ._segment import Segment
+from ._serialize import SerializerSpec, resolve
+from ._writer import Handle
+
+T = TypeVar("T")
+
+_EMPTY: Any = object()
+
+
+class ReaderStatistics(NamedTuple):
+    index: int  #: this reader's slot
+    messages_available: int  #: published and not yet received by this reader
+    bytes_available: int
+    messages_received: int
+    bytes_received: int  #: payload bytes received
+    tasks_waiting_receive: int
+    wakeups_sent: int  #: wake-up syscalls made to the sleeping writer
+
+
+def connect(
+    handle: Handle | str,
+    reader: int = 0,
+    *,
+    serializer: SerializerSpec | None = None,
+    timeout: float | None = 10.0,
+) -> Reader[Any]:
+    """Attach to reader slot ``reader`` of a ring, by its handle or its name.
+
+    ``serializer`` defaults to the writer's (it must be given when the writer uses a custom
+    one).  ``timeout`` bounds the wait for the writer to answer.
+    """
+    name = check_name(handle.name if isinstance(handle, Handle) else handle)
+    if isinstance(reader, bool) or not isinstance(reader, int):
+        raise TypeError(f"reader must be an int, not {type(reader).__name__}")
+    if reader < 0:
+        raise ValueError(f"reader={reader} is out of range: slots are numbered from 0")
+    ser = resolve(serializer) if serializer is not None else None
+    att = request(name, reader, timeout)
+    try:
+        if ser is None:
+            if att.serializer == "custom":
+                raise ValueError(
+                    f"the writer of ring {name!r} uses a custom serializer: "
+                    "pass the same one as connect(..., serializer=...)"
+                )
+            ser = resolve(att.serializer)
+        return Reader(name, reader, att, ser)
+    except BaseException:
+        att.sock.close()
+        for fd in {att.segment_fd, *att.writer_wake.fds(), *att.reader_wake.fds()}:
+            os.close(fd)
+        raise
+
+
+class Reader(End, ObjectReceiveStream[T], Generic[T]):
+    """One reader of a ring: receives every message the writer puts, in order."""
+
+    _role = "reader"
+
+    def __init__(self, name: str, index: int, att: Any, serializer: Any) -> None:
+        super().__init__()
+        self._closed = True  # until everything below exists
+        self._name = name
+        self._index = index
+        self._ser = serializer
+        self._sock: socket.socket = att.sock
+        self._writer_wake = att.writer_wake
+        self._wake = att.reader_wake
+        self._writer_pid: int = att.writer_pid
+        self._messages = 0
+        self._bytes = 0
+        self._deferred: BaseException | None = None
+        self._seg = Segment.attach(att.segment_fd)
+        att.segment_fd = -1
+        try:
+            self._layout, _ = Layout.read_header(self._seg.buf)
+            self._seg.data = self._seg.buf[self._layout.data_offset : self._layout.size]
+            self._ring = RingReader(self._seg, self._layout, index, self._writer_wake.signal)
+            self._seg.words[self._layout.reader_word(index, L.R_PID)] = os.getpid()
+            self._epoll = select.epoll(2)
+            self._epoll.register(self._wake.read_fd, select.EPOLLIN)
+            self._epoll.register(self._sock.fileno(), select.EPOLLIN | select.EPOLLRDHUP)
+            self._wait_fd = self._epoll.fileno()
+        except BaseException:
+            self._seg.close()
+            raise
+        self._closed = False
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<aioshmq.Reader {self._name!r} reader={self._index} {state}>"
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def index(self) -> int:
+        return self._index
+
+    # -- taking messages --------------------------------------------------------------------
+
+    def _poll(self, publish: bool = True) -> Any:
+        """The next message, or _EMPTY; EndOfStream once the writer closed and all was read."""
+        if self._deferred is not None:
+            exc, self._deferred = self._deferred, None
+            raise exc
+        ring = self._ring
+        msg = ring.next()
+        if msg is None:
+            if ring.closed():
+                raise anyio.EndOfStream
+            return _EMPTY
+        payload, kind, size = msg
+        try:
+            main, buffers = decode(payload, kind)
+            if buffers and size:  # out-of-band buffers still in the ring: copy them out
+                buffers = [bytearray(b) for b in buffers]  # type: ignore[misc]
+            obj = self._ser.loads(main, buffers)
+        finally:
+            ring.consume(size)
+            if publish:
+                ring.publish()
+        self._messages += 1
+        self._bytes += len(payload)
+        return obj
+
+    def _writer_gone(self) -> None:
+        """Raise PeerDied if the writer's process ended without closing the ring."""
+        try:
+            alive = self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+        except BlockingIOError:
+            alive = True
+        except OSError:
+            alive = False
+        if not alive and not self._ring.available() and not self._ring.closed():
+            raise PeerDied(
+                f"the writer (pid {self._writer_pid}) of ring {self._name!r} died without "
+                "closing it",
+                role="writer", pid=self._writer_pid,
+            )
+
+    async def _wait(self) -> None:
+        ring = self._ring
+        if ring.prepare_sleep():
+            try:
+                await self._sleep()
+            finally:
+                ring.end_sleep()
+                self._wake.drain()
+            self._check()
+            if not ring.available():
+                self._writer_gone()
+
+    def _wait_sync(self, deadline: float | None) -> None:
+        ring = self._ring
+        if ring.prepare_sleep():
+            try:
+                self._sleep_sync(deadline)
+            finally:
+                ring.end_sleep()
+                self._wake.drain()
+            if not ring.available():
+                self._writer_gone()
+
+    async def get(self) -> T:
+        """The next message; waits for one.  EndOfStream after the writer closed."""
+        self._check()
+        await self._pace()
+        if not self._lock.locked():
+            obj = self._poll()
+            if obj is not _EMPTY:
+                return obj  # type: ignore[no-any-return]
+        async with self._lock:
+            while (obj := self._poll()) is _EMPTY:
+                await self._wait()
+            return obj  # type: ignore[no-any-return]
+
+    receive = get
+
+    def get_nowait(self) -> T:
+        """The next message if one is complete now, else raise Empty."""
+        self._check()
+        if self._lock.locked():
+            raise Empty("tasks are already waiting to receive from this reader")
+        obj = self._poll()
+        if obj is _EMPTY:
+            raise Empty(f"no message waiting for reader {self._index} of ring {self._name!r}")
+        return obj  # type: ignore[no-any-return]
+
+    async def get_many(self, max_messages: int | None = None) -> list[T]:
+        """Every message waiting now (at least one, at most ``max_messages``)."""
+        if max_messages is not None and (
+            isinstance(max_messages, bool) or not isinstance(max_messages, int) or max_messages < 1
+        ):
+            raise ValueError(f"max_messages must be a positive int or None, not {max_messages!r}")
+        first = await self.get()
+        out = [first]
+        self._drain_into(out, max_messages)
+        return out
+
+    def _drain_into(self, out: list[T], limit: int | None) -> None:
+        ring = self._ring
+        try:
+            while limit is None or len(out) < limit:
+                obj = self._poll(publish=False)
+                if obj is _EMPTY:
+                    break
+                out.append(obj)
+        except BaseException as exc:  # keep what was read: report the error next time
+            self._deferred = exc
+        finally:
+            ring.publish()
+
+    def get_sync(self, timeout: float | None = None) -> T:
+        """Blocking get for code without an event loop; TimeoutError after ``timeout`` s."""
+        self._check()
+        deadline = deadline_of(timeout)
+        while (obj := self._poll()) is _EMPTY:
+            self._wait_sync(deadline)
+        return obj  # type: ignore[no-any-return]
+
+    def statistics(self) -> ReaderStatistics:
+        self._check()
+        ring = self._ring
+        ring.available()
+        head_count = self._seg.words[self._layout.writer_word(L.W_HEAD_COUNT)]
+        return ReaderStatistics(
+            index=self._index,
+            messages_available=max(head_count - ring.count, 0),
+            bytes_available=ring.head - ring.tail,
+            messages_received=self._messages,
+            bytes_received=self._bytes,
+            tasks_waiting_receive=self._waiting,
+            wakeups_sent=ring.wakeups,
+        )
+
+    # -- closing ---------------------------------------------------------------------------
+
+    def _release(self, *, clean: bool) -> None:
+        if clean:
+            try:
+                self._sock.send(BYE)
+            except OSError:
+                pass
+        self._sock.close()
+        self._epoll.close()
+        for fd in {*self._wake.fds(), *self._writer_wake.fds()}:
+            os.close(fd)
+        self._ring = None  # type: ignore[assignment]
+        self._seg.close()
+
+
+__all__ = ["Reader", "ReaderStatistics", "connect"]

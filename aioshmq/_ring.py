@@ -1,0 +1,491 @@
+"""The variable-length broadcast ring: records, gating by the slowest reader, sleep/wake flags.
+
+Positions are monotonically increasing u64 byte counts; a record lives at ``pos % capacity``
+and never wraps: one that would cross the end is preceded by a PAD record up to the end.
+Every record is 16-byte aligned and starts with a 16-byte header, so out-of-band buffers
+land 16-byte aligned in memory.  Nothing here blocks or touches an event loop.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+from collections.abc import Callable, Sequence
+from typing import Final
+
+from . import _layout as L
+from ._atomics import acquire, fence, release
+from ._errors import CorruptedError
+from ._layout import Layout
+from ._notify import Notifier
+from ._segment import Segment
+from ._serialize import Buffer
+
+PENDING: Final = 0  # never attached: keeps every message for the reader to come
+ATTACHED: Final = 1
+DETACHED: Final = 2  # gave its slot up: not waited for
+DEAD: Final = 3  # its process ended without closing: still waited for, so the writer can tell
+
+_U64 = struct.Struct("<Q")
+_TABLE_HEAD = struct.Struct("<QQ")
+
+
+def _episode() -> int:
+    """A fresh nonzero sleep-episode id, unique across processes and slot reuse."""
+    return int.from_bytes(os.urandom(7), "little") | 1
+
+
+def _record_size(payload_len: int) -> int:
+    return L.HEADER_SIZE + L.align(payload_len, L.RECORD_ALIGN)
+
+
+class Frame:
+    """One serialized message laid out as a record payload.
+
+    Without out-of-band buffers the payload is the main bytes.  With them it is a table
+    (``n``, main length, each buffer's length as u64), the main bytes, then each buffer at a
+    16-byte-aligned offset.
+    """
+
+    __slots__ = ("kind", "length", "parts")
+
+    def __init__(self, main: Buffer, buffers: Sequence[memoryview]) -> None:
+        if not buffers:
+            self.kind = L.MSG
+            self.length = len(main) if not isinstance(main, memoryview) else main.nbytes
+            self.parts: list[tuple[int, Buffer]] = [(0, main)]
+            return
+        main_len = main.nbytes if isinstance(main, memoryview) else len(main)
+        table = struct.pack(
+            f"<{len(buffers) + 2}Q", len(buffers), main_len, *(b.nbytes for b in buffers)
+        )
+        offset = len(table)
+        parts: list[tuple[int, Buffer]] = [(0, table), (offset, main)]
+        offset += main_len
+        for b in buffers:
+            offset = L.align(offset, L.RECORD_ALIGN)
+            parts.append((offset, b))
+            offset += b.nbytes
+        self.kind = L.MSG | L.OOB
+        self.length = offset
+        self.parts = parts
+
+    def copy_into(self, dst: memoryview, start: int = 0) -> None:
+        """Copy payload bytes [start, start + len(dst)) into ``dst``."""
+        end = start + len(dst)
+        for offset, part in self.parts:
+            n = part.nbytes if isinstance(part, memoryview) else len(part)
+            lo, hi = max(offset, start), min(offset + n, end)
+            if lo < hi:
+                if lo == offset and hi == offset + n:
+                    dst[lo - start : hi - start] = part
+                else:
+                    dst[lo - start : hi - start] = memoryview(part)[lo - offset : hi - offset]
+
+
+def decode(payload: memoryview, kind: int) -> tuple[memoryview, list[memoryview]]:
+    """The main bytes and the out-of-band buffers of a whole message payload."""
+    if not kind & L.OOB:
+        return payload, []
+    size = len(payload)
+    if size < 16:
+        raise CorruptedError(f"message of {size} bytes is too short for its buffer table")
+    n, main_len = _TABLE_HEAD.unpack_from(payload, 0)
+    if n > (size - 16) // 8:
+        raise CorruptedError(f"buffer table claims {n} buffers in a {size}-byte message")
+    lengths = struct.unpack_from(f"<{n}Q", payload, 16)
+    offset = 16 + 8 * n
+    end = offset + main_len
+    if end > size:
+        raise CorruptedError(f"main part of {main_len} bytes overruns a {size}-byte message")
+    main = payload[offset:end]
+    buffers = []
+    for length in lengths:
+        offset = L.align(end, L.RECORD_ALIGN)
+        end = offset + length
+        if end > size:
+            raise CorruptedError(f"buffer of {length} bytes overruns a {size}-byte message")
+        buffers.append(payload[offset:end])
+    return main, buffers
+
+
+class Gate:
+    """Which reader slots the writer waits for; shared by the writer and its broker thread.
+
+    ``lock`` serializes the writer's recomputation of its limits with a slot being attached,
+    so a reader that starts at the current head is never overrun by a limit computed
+    without it.
+    """
+
+    __slots__ = ("lock", "states")
+
+    def __init__(self, readers: int) -> None:
+        self.lock = threading.Lock()
+        self.states = [PENDING] * readers
+
+
+class RingWriter:
+    """The writer's side: reserve space, write records, publish, and wake sleeping readers."""
+
+    def __init__(self, seg: Segment, layout: Layout, gate: Gate, wake: list[Notifier]) -> None:
+        self.seg = seg
+        self.layout = layout
+        self.gate = gate
+        self.wake = wake
+        self.cap = layout.capacity
+        self.data = seg.data
+        self.q = seg.view("Q")
+        self.w = seg.words
+        self.w_head = layout.writer_word(L.W_HEAD)
+        self.w_count = layout.writer_word(L.W_HEAD_COUNT)
+        self.w_sleep = layout.writer_word(L.W_SLEEP)
+        self.r_tail = [layout.reader_word(i, L.R_TAIL) for i in range(layout.readers)]
+        self.r_count = [layout.reader_word(i, L.R_TAIL_COUNT) for i in range(layout.readers)]
+        self.r_sleep = [layout.reader_word(i, L.R_SLEEP) for i in range(layout.readers)]
+        self.signalled = [0] * layout.readers
+        self.pos = 0  # write cursor; > head while records are written but not published
+        self.count = 0
+        self.head = 0
+        self.head_count = 0
+        self.limit_pos = self.cap  # the cursor may advance up to here without re-checking
+        self.limit_count = layout.max_messages
+        self.wakeups = 0
+        self.episode = _episode()
+        self.need = (0, 0)  # (bytes, messages) the last failed write was waiting for
+
+    # -- space -------------------------------------------------------------------------
+
+    def refresh_limits(self) -> tuple[int, int]:
+        """Re-read the tails of the counted readers; returns (min tail, min count)."""
+        w = self.w
+        with self.gate.lock:
+            lo_pos, lo_count = self.pos, self.count
+            for i, state in enumerate(self.gate.states):
+                if state != DETACHED:
+                    t = w[self.r_tail[i]]
+                    c = w[self.r_count[i]]
+                    if t > self.head or c > self.head_count:
+                        raise CorruptedError(
+                            f"reader {i} claims position {t}/{c} beyond the head "
+                            f"{self.head}/{self.head_count}"
+                        )
+                    lo_pos = min(lo_pos, t)
+                    lo_count = min(lo_count, c)
+        self.limit_pos = lo_pos + self.cap
+        self.limit_count = lo_count + self.layout.max_messages
+        return lo_pos, lo_count
+
+    def _room(self, need: int, messages: int) -> bool:
+        if self.pos + need <= self.limit_pos and self.count + messages <= self.limit_count:
+            return True
+        self.refresh_limits()
+        return self.pos + need <= self.limit_pos and self.count + messages <= self.limit_count
+
+    def _span(self, size: int) -> int:
+        """Bytes a record of ``size`` takes at the cursor, with the PAD before it if any."""
+        off = self.pos % self.cap
+        return size if off + size <= self.cap else self.cap - off + size
+
+    def _place(self, size: int) -> int:
+        """Write a PAD if needed; the offset where a record of ``size`` goes."""
+        off = self.pos % self.cap
+        if off + size > self.cap:
+            self.q[off >> 3] = ((self.cap - off - L.HEADER_SIZE) << 8) | L.PAD
+            self.pos += self.cap - off
+            off = 0
+        return off
+
+    def try_write(self, frame: Frame) -> bool:
+        """Write a whole-record message unpublished, if there is room for it now."""
+        size = _record_size(frame.length)
+        span = self._span(size)
+        if not self._room(span, 1):
+            self.need = (span, 1)
+            return False
+        off = self._place(size)
+        i = off >> 3
+        self.q[i] = (frame.length << 8) | frame.kind
+        self.q[i + 1] = 0
+        start = off + L.HEADER_SIZE
+        if len(frame.parts) == 1:
+            self.data[start : start + frame.length] = frame.parts[0][1]
+        else:
+            frame.copy_into(self.data[start : start + frame.length])
+        self.pos += size
+        self.count += 1
+        return True
+
+    def try_write_fragment(self, frame: Frame, done: int) -> int:
+        """Write the next fragment of a message too big for one record; bytes now written."""
+        chunk = min(self.layout.fragment_payload, frame.length - done)
+        size = _record_size(chunk)
+        last = done + chunk == frame.length
+        span = self._span(size)
+        if not self._room(span, 1 if last else 0):
+            self.need = (span, 1 if last else 0)
+            return done
+        if done == 0:
+            kind, aux = L.FIRST | (frame.kind & L.OOB), frame.length
+        else:
+            kind, aux = (L.LAST if last else L.MIDDLE), 0
+        off = self._place(size)
+        self.q[off >> 3] = (chunk << 8) | kind
+        self.q[(off >> 3) + 1] = aux
+        start = off + L.HEADER_SIZE
+        frame.copy_into(self.data[start : start + chunk], done)
+        self.pos += size
+        if last:
+            self.count += 1
+        return done + chunk
+
+    def fits_whole(self, frame: Frame) -> bool:
+        return _record_size(frame.length) <= self.layout.max_record
+
+    def rollback(self, pos: int, count: int) -> None:
+        """Forget records written since (pos, count) but not published."""
+        self.pos, self.count = pos, count
+
+    def publish(self) -> None:
+        if self.pos == self.head:
+            return
+        release()
+        w = self.w
+        w[self.w_count] = self.count
+        w[self.w_head] = self.pos
+        self.head, self.head_count = self.pos, self.count
+        fence()
+        self._wake_readers()
+
+    def _wake_readers(self) -> None:
+        w = self.w
+        for i, idx in enumerate(self.r_sleep):
+            s = w[idx]
+            if s and s != self.signalled[i]:
+                self.signalled[i] = s
+                self.wake[i].signal()
+                self.wakeups += 1
+
+    def close(self) -> None:
+        """Mark the stream ended after everything published, and wake every sleeper."""
+        self.publish()
+        self.w[self.layout.writer_word(L.W_CLOSED)] = 1
+        fence()
+        self._wake_readers()
+
+    # -- sleeping ----------------------------------------------------------------------
+
+    def want(self, need: int, messages: int) -> tuple[int, int]:
+        """The tail position and count that would let ``need`` bytes and ``messages`` in.
+
+        Asks for a quarter of the ring beyond the bare need where possible, so a full
+        writer is woken once per batch of reads, not once per read.
+        """
+        cap, most = self.cap, self.layout.max_messages
+        want_pos = min(self.head, self.pos + need - cap + cap // 4)
+        want_count = min(self.head_count, self.count + messages - most + most // 4)
+        return max(want_pos, 0), max(want_count, 0)
+
+    def prepare_sleep(self, need: int, messages: int) -> bool:
+        """Announce that the writer is about to sleep; False if room appeared meanwhile."""
+        w = self.w
+        want_pos, want_count = self.want(need, messages)
+        w[self.layout.writer_word(L.W_WANT_POS)] = want_pos
+        w[self.layout.writer_word(L.W_WANT_COUNT)] = want_count
+        release()
+        self.episode += 2
+        w[self.w_sleep] = self.episode
+        fence()
+        if self._room(need, messages):
+            w[self.w_sleep] = 0
+            return False
+        return True
+
+    def end_sleep(self) -> None:
+        self.w[self.w_sleep] = 0
+
+    # -- slots (called by the broker thread) ----------------------------------------------
+
+    def attach(self, index: int) -> None:
+        """Hand slot ``index`` to a new reader; it starts at the head unless never attached."""
+        w = self.w
+        with self.gate.lock:
+            if self.gate.states[index] in (DETACHED, DEAD):
+                w[self.r_tail[index]] = w[self.w_head]
+                w[self.r_count[index]] = w[self.w_count]
+            w[self.r_sleep[index]] = 0
+            self.gate.states[index] = ATTACHED
+
+    def detach(self, index: int, state: int = DETACHED) -> None:
+        """Take slot ``index`` from its reader: DETACHED (not waited for) or DEAD."""
+        with self.gate.lock:
+            self.gate.states[index] = state
+            self.w[self.r_sleep[index]] = 0
+
+    def backlog(self) -> tuple[int, int]:
+        """Messages and bytes published but not yet read by the slowest counted reader."""
+        lo_pos, lo_count = self.refresh_limits()
+        return self.head_count - min(lo_count, self.head_count), self.head - min(lo_pos, self.head)
+
+
+class RingReader:
+    """Reader ``index``'s side: read records in order, publish its tail, wake the writer."""
+
+    def __init__(
+        self,
+        seg: Segment,
+        layout: Layout,
+        index: int,
+        wake_writer: Callable[[], None],
+    ) -> None:
+        self.seg = seg
+        self.layout = layout
+        self.index = index
+        self.cap = layout.capacity
+        self.data = seg.data
+        self.q = seg.view("Q")
+        self.w = seg.words
+        self.w_head = layout.writer_word(L.W_HEAD)
+        self.w_closed = layout.writer_word(L.W_CLOSED)
+        self.w_sleep = layout.writer_word(L.W_SLEEP)
+        self.w_want_pos = layout.writer_word(L.W_WANT_POS)
+        self.w_want_count = layout.writer_word(L.W_WANT_COUNT)
+        self.r_tail = layout.reader_word(index, L.R_TAIL)
+        self.r_count = layout.reader_word(index, L.R_TAIL_COUNT)
+        self.r_sleep = layout.reader_word(index, L.R_SLEEP)
+        self.tail = self.w[self.r_tail]
+        self.count = self.w[self.r_count]
+        self.head = self.tail
+        self.wake_writer = wake_writer
+        self.shown_tail, self.shown_count = self.tail, self.count
+        self.episode = _episode()
+        self.wakeups = 0
+        self.partial: bytearray | None = None  # a fragmented message being reassembled
+        self.partial_kind = 0
+        self.partial_len = 0
+        self.skipping = False  # joined in the middle of a fragmented message
+
+    def available(self) -> bool:
+        if self.tail != self.head:
+            return True
+        self.head = self.w[self.w_head]
+        acquire()
+        if self.head < self.tail:
+            raise CorruptedError(f"head {self.head} is behind reader {self.index}'s tail {self.tail}")
+        return self.tail != self.head
+
+    def closed(self) -> bool:
+        """True once the writer closed; call only when ``available()`` said False."""
+        if not self.w[self.w_closed]:
+            return False
+        acquire()
+        return not self.available()
+
+    def next(self) -> tuple[memoryview, int, int] | None:
+        """The next whole message as (payload, kind, ring bytes), not consumed; None if none.
+
+        Fragments are reassembled as they arrive (consuming their records, so the writer can
+        stream a message larger than the ring); the message they form takes 0 ring bytes.
+        """
+        cap, q = self.cap, self.q
+        while self.tail != self.head or self.available():
+            off = self.tail % cap
+            word = q[off >> 3]
+            kind, length = word & 0xFF, word >> 8
+            end = off + L.HEADER_SIZE + length
+            if end > cap or self.tail + end - off > self.head:
+                raise CorruptedError(
+                    f"record at position {self.tail} (kind {kind}) claims {length} bytes, "
+                    f"past the {'end of the ring' if end > cap else 'head ' + str(self.head)}"
+                )
+            base = kind & L.KIND_MASK
+            if base == L.MSG:
+                if self.partial is not None or self.skipping:
+                    self.partial, self.skipping = None, False  # the writer gave that one up
+                return self.data[off + L.HEADER_SIZE : end], kind, _record_size(length)
+            if base == L.PAD:
+                if end != cap:
+                    raise CorruptedError(
+                        f"padding at position {self.tail} of {length} bytes stops short of the end"
+                    )
+                self.tail += cap - off
+            elif base in (L.FIRST, L.MIDDLE, L.LAST):
+                whole = self._fragment(off, base, kind, length)
+                if whole is not None:
+                    return whole, self.partial_kind, 0
+            else:
+                raise CorruptedError(f"unknown record kind {kind} at position {self.tail}")
+        return None
+
+    def _fragment(self, off: int, base: int, kind: int, length: int) -> memoryview | None:
+        start = off + L.HEADER_SIZE
+        if base == L.FIRST:
+            total = self.q[(off >> 3) + 1]
+            if total > L.MAX_MESSAGE or length > total:
+                raise CorruptedError(f"fragmented message at {self.tail} claims {total} bytes")
+            self.partial = bytearray(total)
+            self.partial_kind = (kind & L.OOB) | L.MSG
+            self.partial_len = 0
+            self.skipping = False
+        elif self.partial is None:
+            self.skipping = True  # joined mid-message: drop the rest of it
+        if self.partial is not None:
+            end = self.partial_len + length
+            if end > len(self.partial):
+                raise CorruptedError(
+                    f"fragments overrun their message of {len(self.partial)} bytes"
+                )
+            self.partial[self.partial_len : end] = self.data[start : start + length]
+            self.partial_len = end
+        self.tail += _record_size(length)
+        if base != L.LAST:
+            return None
+        self.count += 1  # a fragmented message is counted when its last fragment is read
+        whole, self.partial, self.skipping = self.partial, None, False
+        if whole is None:
+            return None
+        if self.partial_len != len(whole):
+            raise CorruptedError(f"message of {len(whole)} bytes ended after {self.partial_len}")
+        return memoryview(whole)
+
+    def consume(self, size: int) -> None:
+        """Step past the message ``next()`` returned (``size`` is its third item)."""
+        if size:
+            self.tail += size
+            self.count += 1
+
+    def publish(self) -> None:
+        """Store the tail; wake the writer if this step crossed the point it sleeps for.
+
+        Waking on the crossing only (not on every read) means a writer stuck on the
+        slowest reader is not woken by the fast ones over and over.
+        """
+        w = self.w
+        w[self.r_count] = self.count
+        w[self.r_tail] = self.tail
+        fence()
+        if w[self.w_sleep]:
+            acquire()
+            want_pos, want_count = w[self.w_want_pos], w[self.w_want_count]
+            if (
+                self.tail >= want_pos
+                and self.count >= want_count
+                and not (self.shown_tail >= want_pos and self.shown_count >= want_count)
+            ):
+                self.wakeups += 1
+                self.wake_writer()
+        self.shown_tail, self.shown_count = self.tail, self.count
+
+    def prepare_sleep(self) -> bool:
+        """Announce that this reader is about to sleep; False if data or the end arrived."""
+        w = self.w
+        self.episode += 2
+        w[self.r_sleep] = self.episode
+        fence()
+        if self.available() or w[self.w_closed]:
+            w[self.r_sleep] = 0
+            return False
+        return True
+
+    def end_sleep(self) -> None:
+        self.w[self.r_sleep] = 0

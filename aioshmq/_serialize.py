@@ -1,0 +1,141 @@
+"""Turning objects into a main byte string plus out-of-band buffers, and back."""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+Buffer = bytes | bytearray | memoryview
+
+
+@runtime_checkable
+class UserSerializer(Protocol):
+    """Anything with ``dumps(obj) -> bytes-like`` and ``loads(bytes) -> obj``."""
+
+    def dumps(self, obj: Any, /) -> Any: ...
+
+    def loads(self, data: bytes, /) -> Any: ...
+
+
+class Serializer:
+    """Base of the serializers a ring uses; ``name`` travels to readers at attach."""
+
+    name = "custom"
+    out_of_band = False
+
+    def dumps(self, obj: Any) -> tuple[Buffer, list[memoryview]]:
+        raise NotImplementedError
+
+    def loads(self, main: memoryview, buffers: Sequence[Buffer]) -> Any:
+        raise NotImplementedError
+
+
+class _BufferSink:
+    """Collects pickle protocol-5 out-of-band buffers; keeps non-contiguous ones in-band."""
+
+    __slots__ = ("buffers",)
+
+    def __init__(self) -> None:
+        self.buffers: list[memoryview] = []
+
+    def __call__(self, pb: pickle.PickleBuffer) -> bool:
+        try:
+            self.buffers.append(pb.raw())
+        except BufferError:
+            return True
+        return False
+
+
+class PickleSerializer(Serializer):
+    name = "pickle"
+    out_of_band = True
+
+    def __init__(self) -> None:
+        self._dumps = pickle.dumps
+
+    def dumps(self, obj: Any) -> tuple[Buffer, list[memoryview]]:
+        sink = _BufferSink()
+        main = self._dumps(obj, protocol=5, buffer_callback=sink)
+        return main, sink.buffers
+
+    def loads(self, main: memoryview, buffers: Sequence[Buffer]) -> Any:
+        return pickle.loads(main, buffers=buffers)
+
+
+class CloudpickleSerializer(PickleSerializer):
+    name = "cloudpickle"
+
+    def __init__(self) -> None:
+        import cloudpickle
+
+        self._dumps = cloudpickle.dumps
+
+
+class RawSerializer(Serializer):
+    """Bytes-like objects in, ``bytes`` out."""
+
+    name = "raw"
+
+    def dumps(self, obj: Any) -> tuple[Buffer, list[memoryview]]:
+        try:
+            view = memoryview(obj)
+        except TypeError:
+            raise TypeError(
+                f"serializer='raw' takes bytes-like objects, not {type(obj).__name__}"
+            ) from None
+        if not view.c_contiguous:
+            raise ValueError("serializer='raw' needs a C-contiguous buffer")
+        return view.cast("B") if view.format != "B" or view.ndim != 1 else view, []
+
+    def loads(self, main: memoryview, buffers: Sequence[Buffer]) -> Any:
+        return bytes(main)
+
+
+class _Custom(Serializer):
+    def __init__(self, user: UserSerializer) -> None:
+        self._user = user
+
+    def dumps(self, obj: Any) -> tuple[Buffer, list[memoryview]]:
+        data = self._user.dumps(obj)
+        try:
+            return memoryview(data).cast("B"), []
+        except TypeError:
+            raise TypeError(
+                f"{type(self._user).__name__}.dumps returned {type(data).__name__}, "
+                "not a bytes-like object"
+            ) from None
+
+    def loads(self, main: memoryview, buffers: Sequence[Buffer]) -> Any:
+        return self._user.loads(bytes(main))
+
+
+_NAMED: dict[str, type[Serializer]] = {
+    "pickle": PickleSerializer,
+    "cloudpickle": CloudpickleSerializer,
+    "raw": RawSerializer,
+}
+
+SerializerSpec = str | UserSerializer
+
+
+def resolve(spec: SerializerSpec) -> Serializer:
+    """The serializer named or given; a clear error for anything else."""
+    if isinstance(spec, str):
+        try:
+            return _NAMED[spec]()
+        except KeyError:
+            raise ValueError(
+                f"serializer must be one of {sorted(_NAMED)} or an object with dumps/loads, "
+                f"not {spec!r}"
+            ) from None
+    if isinstance(spec, Serializer):
+        return spec
+    dumps = getattr(spec, "dumps", None)
+    loads = getattr(spec, "loads", None)
+    if not callable(dumps) or not callable(loads):
+        raise TypeError(
+            f"serializer {spec!r} needs callable dumps and loads methods "
+            f"(dumps={dumps!r}, loads={loads!r})"
+        )
+    return _Custom(spec)

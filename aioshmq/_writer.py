@@ -1,0 +1,360 @@
+"""The writing end: ``create()`` and ``Writer``, an anyio object send stream over a ring."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Generator, Iterable
+from dataclasses import dataclass
+from typing import Any, Generic, Literal, NamedTuple, TypeVar
+
+from anyio.abc import ObjectSendStream
+
+from . import _layout as L
+from ._broker import Broker, check_name
+from ._end import End, deadline_of
+from ._errors import Full, PeerDied
+from ._layout import Layout
+from ._notify import Notifier, NotifierKind, default_kind
+from ._ring import ATTACHED, DEAD, Frame, Gate, RingWriter
+from ._segment import Segment
+from ._serialize import SerializerSpec, resolve
+
+T = TypeVar("T")
+
+OnReaderDeath = Literal["raise", "detach"]
+_DONE: Any = object()
+
+
+@dataclass(frozen=True)
+class Handle:
+    """What a reader needs to find a ring: picklable, valid in any process of the same user."""
+
+    name: str
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class WriterStatistics(NamedTuple):
+    messages_in_ring: int  #: published and not yet read by the slowest counted reader
+    bytes_in_ring: int  #: ring bytes those messages occupy (headers and padding included)
+    capacity: int
+    max_messages: int
+    messages_put: int  #: total messages published
+    bytes_put: int  #: total payload bytes published
+    readers: int  #: reader slots
+    readers_attached: int
+    tasks_waiting_send: int
+    wakeups_sent: int  #: wake-up syscalls made to sleeping readers
+
+
+def _positive_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name}={value} is too small: it must be at least {minimum}")
+    return value
+
+
+def create(
+    capacity: int = 16 << 20,
+    max_messages: int = 1 << 16,
+    readers: int = 1,
+    *,
+    serializer: SerializerSpec = "pickle",
+    notifier: NotifierKind | None = None,
+    name: str | None = None,
+    on_reader_death: OnReaderDeath = "raise",
+) -> Writer[Any]:
+    """Create a ring and return its writer, which owns it.
+
+    ``capacity`` (bytes, rounded up to a multiple of 64) and ``max_messages`` both bound what
+    the ring holds for its slowest reader.  ``readers`` is the number of reader slots.
+    """
+    capacity = _positive_int("capacity", capacity, L.MIN_CAPACITY)
+    if capacity > L.MAX_CAPACITY:
+        raise ValueError(f"capacity={capacity} is larger than the {L.MAX_CAPACITY} bytes allowed")
+    max_messages = _positive_int("max_messages", max_messages, 1)
+    readers = _positive_int("readers", readers, 1)
+    if readers > 4096:
+        raise ValueError(f"readers={readers} is more than the 4096 slots a ring can have")
+    if on_reader_death not in ("raise", "detach"):
+        raise ValueError(f"on_reader_death must be 'raise' or 'detach', not {on_reader_death!r}")
+    ser = resolve(serializer)
+    kind = default_kind() if notifier is None else notifier
+    if kind not in ("eventfd", "pipe"):
+        raise ValueError(f"notifier must be 'eventfd' or 'pipe', not {notifier!r}")
+    name = check_name(name) if name is not None else f"{os.getpid()}-{secrets.token_hex(8)}"
+    layout = Layout(L.align(capacity, 64), max_messages, readers)
+    return Writer(layout, ser, kind, name, on_reader_death)
+
+
+class Writer(End, ObjectSendStream[T], Generic[T]):
+    """The writing end of a ring: every attached reader receives every message, in order."""
+
+    _role = "writer"
+
+    def __init__(
+        self,
+        layout: Layout,
+        serializer: Any,
+        kind: NotifierKind,
+        name: str,
+        on_reader_death: OnReaderDeath,
+    ) -> None:
+        self._release_list: list[Any] = []
+        super().__init__()
+        self._closed = True  # until everything below exists
+        self._layout = layout
+        self._ser = serializer
+        self._name = name
+        self._on_death = on_reader_death
+        self._messages = 0
+        self._bytes = 0
+        self._seg = Segment.create(layout, name)
+        try:
+            layout.write_header(self._seg.buf, os.getpid())
+            self._wake = Notifier.create(kind)
+            self._wait_fd = self._wake.read_fd
+            self._reader_wake: list[Notifier] = []
+            for _ in range(layout.readers):
+                self._reader_wake.append(Notifier.create(kind))
+            self._gate = Gate(layout.readers)
+            self._ring = RingWriter(self._seg, layout, self._gate, self._reader_wake)
+            self._broker = Broker(
+                name, self._ring, self._seg.fd, self._wake, self._reader_wake, serializer.name,
+                self._wake.signal, detach_dead=on_reader_death == "detach",
+            )
+        except BaseException:
+            self._free()
+            raise
+        self._closed = False
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return (
+            f"<aioshmq.Writer {self._name!r} capacity={self._layout.capacity} "
+            f"max_messages={self._layout.max_messages} readers={self._layout.readers} {state}>"
+        )
+
+    # -- identity --------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        """The ring's name: ``aioshmq.connect(name, reader=i)`` attaches from any process."""
+        return self._name
+
+    @property
+    def handle(self) -> Handle:
+        return Handle(self._name)
+
+    # -- putting ---------------------------------------------------------------------------
+
+    def _frame(self, obj: object) -> Frame:
+        main, buffers = self._ser.dumps(obj)
+        return Frame(main, buffers)
+
+    def _steps(self, frames: list[Frame], atomic: bool) -> Generator[None, None, None]:
+        """Write ``frames``; yields whenever it must wait for room (``ring.need`` says how much).
+
+        With ``atomic``, nothing is published until every frame is written, and closing the
+        generator early forgets what was written: a cancelled put published nothing.
+        Otherwise what was written is published before each wait.
+        """
+        ring = self._ring
+        start = ring.pos, ring.count
+        sent = nbytes = 0
+        try:
+            for frame in frames:
+                if ring.fits_whole(frame):
+                    while not ring.try_write(frame):
+                        if not atomic:
+                            ring.publish()
+                        yield
+                else:
+                    done = 0
+                    while done < frame.length:
+                        progress = ring.try_write_fragment(frame, done)
+                        if progress == done:
+                            if not atomic:
+                                ring.publish()
+                            yield
+                        done = progress
+                sent += 1
+                nbytes += frame.length
+        except GeneratorExit:
+            if atomic:
+                ring.rollback(*start)
+                sent = nbytes = 0
+            raise
+        finally:
+            self._messages += sent
+            self._bytes += nbytes
+        ring.publish()
+
+    def _atomic(self, frames: list[Frame]) -> bool:
+        """Whether the batch is small enough to be published whole (half the ring at most)."""
+        layout = self._layout
+        if len(frames) > layout.max_messages:
+            return False
+        total = 0
+        for frame in frames:
+            if not self._ring.fits_whole(frame):
+                return False
+            total += L.HEADER_SIZE + L.align(frame.length, L.RECORD_ALIGN)
+        return total <= layout.capacity // 2
+
+    def _check_readers(self) -> None:
+        """Raise PeerDied if the writer would wait on a reader whose process died."""
+        for i, state in enumerate(self._gate.states):
+            if state == DEAD:
+                pid = self._broker.dead_pid(i)
+                raise PeerDied(
+                    f"reader {i} (pid {pid}) of ring {self._name!r} died while attached",
+                    role="reader", pid=pid, index=i,
+                )
+
+    async def _wait_room(self) -> None:
+        self._check_readers()
+        need, messages = self._ring.need
+        if self._ring.prepare_sleep(need, messages):
+            try:
+                await self._sleep()
+            finally:
+                self._ring.end_sleep()
+                self._wake.drain()
+        self._check()
+
+    def _wait_room_sync(self, deadline: float | None) -> None:
+        self._check_readers()
+        need, messages = self._ring.need
+        if self._ring.prepare_sleep(need, messages):
+            try:
+                self._sleep_sync(deadline)
+            finally:
+                self._ring.end_sleep()
+                self._wake.drain()
+
+    async def _run(self, frames: list[Frame]) -> None:
+        steps = self._steps(frames, self._atomic(frames))
+        try:
+            pending = False
+            if not self._lock.locked():  # nobody queued ahead: try without waiting
+                if next(steps, _DONE) is _DONE:
+                    return
+                pending = True
+            async with self._lock:
+                if pending:
+                    await self._wait_room()
+                for _ in steps:
+                    await self._wait_room()
+        finally:
+            steps.close()
+
+    async def put(self, obj: T) -> None:
+        """Send ``obj`` to every reader; waits while the ring is full for the slowest one."""
+        self._check()
+        frame = self._frame(obj)
+        await self._pace()
+        self._check()
+        await self._run([frame])
+
+    send = put
+
+    async def put_many(self, objs: Iterable[T]) -> None:
+        """Send a batch with one publish and at most one wake-up per sleeping reader.
+
+        Every object is serialized before anything is written.  A batch of up to half the
+        ring's bytes (and ``max_messages``) is published whole or, if cancelled, not at all;
+        a bigger one goes out in parts as room frees up.
+        """
+        self._check()
+        frames = [self._frame(obj) for obj in objs]
+        await self._pace()
+        self._check()
+        if frames:
+            await self._run(frames)
+
+    def put_nowait(self, obj: T) -> None:
+        """Send ``obj`` now, or raise Full (nothing written) if the ring has no room."""
+        self._check()
+        frame = self._frame(obj)
+        if self._lock.locked():
+            raise Full("tasks are already waiting to put into this ring")
+        steps = self._steps([frame], atomic=True)
+        for _ in steps:
+            steps.close()
+            raise Full(
+                f"ring {self._name!r} has no room for a message of {frame.length} bytes"
+            )
+
+    def put_sync(self, obj: T, timeout: float | None = None) -> None:
+        """Blocking put for code without an event loop; TimeoutError after ``timeout`` s."""
+        self._check()
+        frame = self._frame(obj)
+        deadline = deadline_of(timeout)
+        steps = self._steps([frame], self._atomic([frame]))
+        try:
+            for _ in steps:
+                self._wait_room_sync(deadline)
+        finally:
+            steps.close()
+
+    # -- readers -------------------------------------------------------------------------
+
+    async def wait_readers(self) -> None:
+        """Return once every reader slot is attached."""
+        self._check()
+        async with self._lock:
+            while not self._all_attached():
+                await self._sleep()
+                self._wake.drain()
+                self._check()
+
+    def wait_readers_sync(self, timeout: float | None = None) -> None:
+        self._check()
+        deadline = deadline_of(timeout)
+        while not self._all_attached():
+            self._sleep_sync(deadline)
+            self._wake.drain()
+
+    def _all_attached(self) -> bool:
+        self._check_readers()
+        return all(state == ATTACHED for state in self._gate.states)
+
+    def statistics(self) -> WriterStatistics:
+        self._check()
+        messages, nbytes = self._ring.backlog()
+        return WriterStatistics(
+            messages_in_ring=messages,
+            bytes_in_ring=nbytes,
+            capacity=self._layout.capacity,
+            max_messages=self._layout.max_messages,
+            messages_put=self._messages,
+            bytes_put=self._bytes,
+            readers=self._layout.readers,
+            readers_attached=sum(1 for s in self._gate.states if s == ATTACHED),
+            tasks_waiting_send=self._waiting,
+            wakeups_sent=self._ring.wakeups,
+        )
+
+    # -- closing ---------------------------------------------------------------------------
+
+    def _release(self, *, clean: bool) -> None:
+        if clean:
+            self._ring.close()
+            self._broker.stop()
+        else:
+            self._broker.abandon()
+        self._free()
+
+    def _free(self) -> None:
+        for notifier in [getattr(self, "_wake", None), *getattr(self, "_reader_wake", [])]:
+            if notifier is not None:
+                notifier.close()
+        self._ring = None  # type: ignore[assignment]
+        self._seg.close()
+
+
+__all__ = ["Handle", "Writer", "WriterStatistics", "create"]
