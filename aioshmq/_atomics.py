@@ -78,6 +78,4 @@ elif ARCH in _ARM:
     _fn, _page = _code_fence(bytes.fromhex("bf3b03d5") + bytes.fromhex("c0035fd6"))
     fence = release = acquire = _fn
 else:  # pragma: no cover - refused on purpose
-    raise ImportError(
-        f"aioshmq supports x86-64 and aarch64; no proven memory fence for {ARCH!r}"
-    )
+    raise ImportError(f"aioshmq supports x86-64 and aarch64; no proven memory fence for {ARCH!r}")

@@ -32,9 +32,7 @@ def check_name(name: object) -> str:
     if not isinstance(name, str):
         raise TypeError(f"name must be a str, not {type(name).__name__}")
     if not name or len(name.encode()) > NAME_MAX or "/" in name or "\0" in name:
-        raise ValueError(
-            f"name={name!r}: need 1 to {NAME_MAX} bytes without '/' or NUL"
-        )
+        raise ValueError(f"name={name!r}: need 1 to {NAME_MAX} bytes without '/' or NUL")
     return name
 
 
@@ -86,7 +84,9 @@ class Broker:
         self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._conns: dict[socket.socket, int | None] = {}
         self._byes: set[socket.socket] = set()
-        self._thread = threading.Thread(target=self._run, name=f"aioshmq-broker-{name}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"aioshmq-broker-{name}", daemon=True
+        )
         self._thread.start()
 
     # -- thread --------------------------------------------------------------------------
@@ -170,13 +170,21 @@ class Broker:
         readers = self.ring.layout.readers
         states = self.ring.gate.states
         if not 0 <= index < readers:
-            self._refuse(sel, sock, "range", f"reader={index} is out of range: this ring has "
-                         f"readers 0..{readers - 1}")
+            self._refuse(
+                sel,
+                sock,
+                "range",
+                f"reader={index} is out of range: this ring has readers 0..{readers - 1}",
+            )
             return
         if states[index] == ATTACHED or index in self._conns.values():
             pid = next((self.pids.get(id(s), 0) for s, i in self._conns.items() if i == index), 0)
-            self._refuse(sel, sock, "busy", f"reader slot {index} of ring {self.name!r} is held "
-                         f"by a live reader (pid {pid})")
+            self._refuse(
+                sel,
+                sock,
+                "busy",
+                f"reader slot {index} of ring {self.name!r} is held by a live reader (pid {pid})",
+            )
             return
         self.reader_wake[index].drain()
         self.ring.attach(index)
@@ -194,7 +202,9 @@ class Broker:
             pass  # the reader went away already: its end-of-file detaches the slot
         self.on_change()
 
-    def _refuse(self, sel: selectors.BaseSelector, sock: socket.socket, code: str, msg: str) -> None:
+    def _refuse(
+        self, sel: selectors.BaseSelector, sock: socket.socket, code: str, msg: str
+    ) -> None:
         try:
             sock.send(json.dumps({"ok": False, "error": code, "message": msg}).encode())
         except OSError:
@@ -265,9 +275,11 @@ def request(name: str, index: int, timeout: float | None) -> Attachment:
             raise TimeoutError(
                 f"the writer of ring {name!r} did not answer within {timeout} s"
             ) from None
-        reply: dict[str, Any] = json.loads(msg) if msg else {
-            "ok": False, "error": "gone", "message": f"the writer of ring {name!r} closed"
-        }
+        reply: dict[str, Any] = (
+            json.loads(msg)
+            if msg
+            else {"ok": False, "error": "gone", "message": f"the writer of ring {name!r} closed"}
+        )
         if not reply.get("ok"):
             for fd in fds:
                 os.close(fd)

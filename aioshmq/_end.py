@@ -117,9 +117,9 @@ class End:
         poller.register(self._wait_fd, select.POLLIN)
         self._waiting += 1
         try:
-            if not poller.poll(None if timeout is None else max(1, int(timeout * 1000 + 0.999))):
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise TimeoutError(f"aioshmq {self._role}: timed out")
+            # Milliseconds rounded up: an empty result means the deadline has passed.
+            if not poller.poll(None if timeout is None else int(timeout * 1000) + 1):
+                raise TimeoutError(f"aioshmq {self._role}: timed out")
         finally:
             self._waiting -= 1
 

@@ -95,8 +95,15 @@ class Layout:
 
     def write_header(self, buf: memoryview, writer_pid: int) -> None:
         _HEADER.pack_into(
-            buf, 0, MAGIC, VERSION, self.capacity, self.max_messages, self.readers,
-            self.data_offset, writer_pid,
+            buf,
+            0,
+            MAGIC,
+            VERSION,
+            self.capacity,
+            self.max_messages,
+            self.readers,
+            self.data_offset,
+            writer_pid,
         )
 
     @classmethod

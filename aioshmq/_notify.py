@@ -63,4 +63,3 @@ class Notifier:
         for fd in self.fds():
             os.close(fd)
         self.read_fd = self.write_fd = -1
-

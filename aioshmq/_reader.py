@@ -26,7 +26,7 @@ _EMPTY: Any = object()
 
 
 class ReaderStatistics(NamedTuple):
-    index: int  #: this reader's slot
+    reader: int  #: this reader's slot
     messages_available: int  #: published and not yet received by this reader
     bytes_available: int
     messages_received: int
@@ -155,7 +155,8 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
             raise PeerDied(
                 f"the writer (pid {self._writer_pid}) of ring {self._name!r} died without "
                 "closing it",
-                role="writer", pid=self._writer_pid,
+                role="writer",
+                pid=self._writer_pid,
             )
 
     async def _wait(self) -> None:
@@ -164,8 +165,9 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
             try:
                 await self._sleep()
             finally:
-                ring.end_sleep()
-                self._wake.drain()
+                if not self._closed:  # closed meanwhile: the ring is gone
+                    ring.end_sleep()
+                    self._wake.drain()
             self._check()
             if not ring.available():
                 self._writer_gone()
@@ -194,7 +196,9 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
                 await self._wait()
             return obj  # type: ignore[no-any-return]
 
-    receive = get
+    async def receive(self) -> T:
+        """Same as ``get`` (the anyio stream interface)."""
+        return await self.get()
 
     def get_nowait(self) -> T:
         """The next message if one is complete now, else raise Empty."""
@@ -244,7 +248,7 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         ring.available()
         head_count = self._seg.words[self._layout.writer_word(L.W_HEAD_COUNT)]
         return ReaderStatistics(
-            index=self._index,
+            reader=self._index,
             messages_available=max(head_count - ring.count, 0),
             bytes_available=ring.head - ring.tail,
             messages_received=self._messages,
@@ -265,7 +269,6 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         self._epoll.close()
         for fd in {*self._wake.fds(), *self._writer_wake.fds()}:
             os.close(fd)
-        self._ring = None  # type: ignore[assignment]
         self._seg.close()
 
 

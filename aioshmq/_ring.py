@@ -135,7 +135,7 @@ class RingWriter:
         self.wake = wake
         self.cap = layout.capacity
         self.data = seg.data
-        self.q = seg.view("Q")
+        self.q = seg.data_words()
         self.w = seg.words
         self.w_head = layout.writer_word(L.W_HEAD)
         self.w_count = layout.writer_word(L.W_HEAD_COUNT)
@@ -343,7 +343,7 @@ class RingReader:
         self.index = index
         self.cap = layout.capacity
         self.data = seg.data
-        self.q = seg.view("Q")
+        self.q = seg.data_words()
         self.w = seg.words
         self.w_head = layout.writer_word(L.W_HEAD)
         self.w_closed = layout.writer_word(L.W_CLOSED)
@@ -371,7 +371,9 @@ class RingReader:
         self.head = self.w[self.w_head]
         acquire()
         if self.head < self.tail:
-            raise CorruptedError(f"head {self.head} is behind reader {self.index}'s tail {self.tail}")
+            raise CorruptedError(
+                f"head {self.head} is behind reader {self.index}'s tail {self.tail}"
+            )
         return self.tail != self.head
 
     def closed(self) -> bool:

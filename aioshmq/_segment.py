@@ -18,7 +18,7 @@ class Segment:
     kept by the writer, which hands it to readers).
     """
 
-    __slots__ = ("_map", "_views", "buf", "words", "data", "fd")
+    __slots__ = ("_map", "_views", "buf", "data", "fd", "words")
 
     def __init__(self, fd: int, size: int, *, keep_fd: bool) -> None:
         self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
@@ -32,6 +32,13 @@ class Segment:
 
     @classmethod
     def create(cls, layout: Layout, name: str) -> Segment:
+        available = _available_memory()
+        if available is not None and layout.size > available:
+            # Reserving more than is free would push the machine into the OOM killer.
+            raise MemoryError(
+                f"capacity={layout.capacity} needs {layout.size} bytes of shared memory, "
+                f"but only {available} are available"
+            )
         fd = os.memfd_create(f"aioshmq:{name}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, layout.size)
@@ -64,9 +71,9 @@ class Segment:
             raise
         return cls(fd, size, keep_fd=False)
 
-    def view(self, fmt: str) -> memoryview:
-        """The data area cast to ``fmt``; released by ``close()``."""
-        v = self.data.cast(fmt)
+    def data_words(self) -> memoryview:
+        """The data area as u64 words; released by ``close()``."""
+        v = self.data.cast("Q")
         self._views.append(v)
         return v
 
@@ -85,3 +92,15 @@ class Segment:
         except BufferError:
             return False
         return True
+
+
+def _available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo, in bytes; None where it cannot be read."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

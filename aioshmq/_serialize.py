@@ -67,7 +67,7 @@ class CloudpickleSerializer(PickleSerializer):
     name = "cloudpickle"
 
     def __init__(self) -> None:
-        import cloudpickle
+        import cloudpickle  # type: ignore[import-untyped]
 
         self._dumps = cloudpickle.dumps
 

@@ -123,8 +123,14 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
             self._gate = Gate(layout.readers)
             self._ring = RingWriter(self._seg, layout, self._gate, self._reader_wake)
             self._broker = Broker(
-                name, self._ring, self._seg.fd, self._wake, self._reader_wake, serializer.name,
-                self._wake.signal, detach_dead=on_reader_death == "detach",
+                name,
+                self._ring,
+                self._seg.fd,
+                self._wake,
+                self._reader_wake,
+                serializer.name,
+                self._wake.signal,
+                detach_dead=on_reader_death == "detach",
             )
         except BaseException:
             self._free()
@@ -212,7 +218,9 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
                 pid = self._broker.dead_pid(i)
                 raise PeerDied(
                     f"reader {i} (pid {pid}) of ring {self._name!r} died while attached",
-                    role="reader", pid=pid, index=i,
+                    role="reader",
+                    pid=pid,
+                    index=i,
                 )
 
     async def _wait_room(self) -> None:
@@ -222,8 +230,9 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
             try:
                 await self._sleep()
             finally:
-                self._ring.end_sleep()
-                self._wake.drain()
+                if not self._closed:  # closed meanwhile: the ring is gone
+                    self._ring.end_sleep()
+                    self._wake.drain()
         self._check()
 
     def _wait_room_sync(self, deadline: float | None) -> None:
@@ -260,7 +269,9 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         self._check()
         await self._run([frame])
 
-    send = put
+    async def send(self, item: T) -> None:
+        """Same as ``put`` (the anyio stream interface)."""
+        await self.put(item)
 
     async def put_many(self, objs: Iterable[T]) -> None:
         """Send a batch with one publish and at most one wake-up per sleeping reader.
@@ -285,9 +296,7 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         steps = self._steps([frame], atomic=True)
         for _ in steps:
             steps.close()
-            raise Full(
-                f"ring {self._name!r} has no room for a message of {frame.length} bytes"
-            )
+            raise Full(f"ring {self._name!r} has no room for a message of {frame.length} bytes")
 
     def put_sync(self, obj: T, timeout: float | None = None) -> None:
         """Blocking put for code without an event loop; TimeoutError after ``timeout`` s."""
@@ -309,8 +318,8 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         async with self._lock:
             while not self._all_attached():
                 await self._sleep()
-                self._wake.drain()
                 self._check()
+                self._wake.drain()
 
     def wait_readers_sync(self, timeout: float | None = None) -> None:
         self._check()
@@ -353,7 +362,6 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         for notifier in [getattr(self, "_wake", None), *getattr(self, "_reader_wake", [])]:
             if notifier is not None:
                 notifier.close()
-        self._ring = None  # type: ignore[assignment]
         self._seg.close()
 
 

@@ -1,0 +1,293 @@
+"""The writing end: bounds, batching, non-blocking and blocking puts, cancellation, closing."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+
+import anyio
+import pytest
+
+import aioshmq
+
+pytestmark = pytest.mark.anyio
+
+
+def test_full_is_would_block() -> None:
+    assert issubclass(aioshmq.Full, anyio.WouldBlock)
+    assert issubclass(aioshmq.Empty, anyio.WouldBlock)
+
+
+async def test_put_get_in_order() -> None:
+    with aioshmq.create(capacity=1 << 16, readers=2) as w:
+        r0, r1 = aioshmq.connect(w.name, 0), aioshmq.connect(w.handle, 1)
+        with r0, r1:
+            for i in range(500):
+                await w.put({"i": i, "pad": "x" * (i % 97)})
+            for r in (r0, r1):
+                got = [(await r.get())["i"] for _ in range(500)]
+                assert got == list(range(500))
+
+
+async def test_bounded_by_count() -> None:
+    with aioshmq.create(capacity=1 << 20, max_messages=5) as w, aioshmq.connect(w.name) as r:
+        for i in range(5):
+            w.put_nowait(i)
+        with pytest.raises(aioshmq.Full):
+            w.put_nowait(5)
+        assert w.statistics().messages_in_ring == 5
+        assert r.get_nowait() == 0
+        w.put_nowait(5)
+        assert [r.get_nowait() for _ in range(5)] == [1, 2, 3, 4, 5]
+
+
+async def test_bounded_by_bytes() -> None:
+    with aioshmq.create(capacity=4096, max_messages=1000, serializer="raw") as w:
+        with aioshmq.connect(w.name) as r:
+            n = 0
+            while True:
+                try:
+                    w.put_nowait(bytes([n]) * 100)
+                except aioshmq.Full:
+                    break
+                n += 1
+            # 100 bytes + 16 header, aligned: 128 bytes a record, 4096 bytes of ring.
+            assert n == 4096 // 128
+            stats = w.statistics()
+            assert stats.messages_in_ring == n and stats.bytes_in_ring == 4096
+            assert r.get_nowait() == bytes([0]) * 100
+            w.put_nowait(b"z" * 100)
+            out = [r.get_nowait() for _ in range(n)]
+            assert out[-1] == b"z" * 100 and out[0] == bytes([1]) * 100
+
+
+async def test_put_waits_for_slowest_reader() -> None:
+    with aioshmq.create(capacity=1 << 16, max_messages=3, readers=2) as w:
+        fast, slow = aioshmq.connect(w.name, 0), aioshmq.connect(w.name, 1)
+        with fast, slow:
+            for i in range(3):
+                await w.put(i)
+            assert [fast.get_nowait() for _ in range(3)] == [0, 1, 2]
+            with pytest.raises(aioshmq.Full):
+                w.put_nowait(3)
+            put_done = anyio.Event()
+
+            async def putter() -> None:
+                await w.put(3)
+                put_done.set()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(putter)
+                await anyio.wait_all_tasks_blocked()
+                assert not put_done.is_set()
+                assert w.statistics().tasks_waiting_send == 1
+                assert slow.get_nowait() == 0
+                with anyio.fail_after(5):
+                    await put_done.wait()
+            assert fast.get_nowait() == 3
+            assert [slow.get_nowait() for _ in range(3)] == [1, 2, 3]
+
+
+async def test_put_many_one_publish_one_wakeup() -> None:
+    with aioshmq.create(capacity=1 << 20) as w, aioshmq.connect(w.name) as r:
+        got: list[list[int]] = []
+
+        async def reader() -> None:
+            got.append(await r.get_many())
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(reader)
+            await anyio.wait_all_tasks_blocked()
+            assert r.statistics().tasks_waiting_receive == 1
+            before = w.statistics().wakeups_sent
+            await w.put_many(range(100))
+            assert w.statistics().wakeups_sent == before + 1
+        assert got == [list(range(100))]
+
+
+async def test_put_many_serializes_everything_first() -> None:
+    with aioshmq.create(capacity=1 << 16) as w, aioshmq.connect(w.name) as r:
+        with pytest.raises((pickle.PicklingError, TypeError, AttributeError)):
+            await w.put_many([1, 2, threading.Lock(), 4])
+        assert w.statistics().messages_put == 0
+        with pytest.raises(aioshmq.Empty):
+            r.get_nowait()
+        await w.put_many([5, 6])
+        assert await r.get_many() == [5, 6]
+
+
+async def test_put_many_larger_than_ring_goes_in_parts() -> None:
+    with aioshmq.create(capacity=4096, max_messages=4, serializer="raw") as w:
+        with aioshmq.connect(w.name) as r:
+            items = [bytes([i]) * 500 for i in range(40)]
+            got: list[bytes] = []
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(w.put_many, items)
+                with anyio.fail_after(10):
+                    while len(got) < 40:
+                        got.extend(await r.get_many())
+            assert got == items
+
+
+async def test_unserializable_object_writes_nothing() -> None:
+    with aioshmq.create(capacity=1 << 16) as w, aioshmq.connect(w.name) as r:
+        with pytest.raises(TypeError, match="lock"):
+            await w.put(threading.Lock())
+        with pytest.raises(TypeError):
+            w.put_nowait(threading.Lock())
+        with pytest.raises(TypeError):
+            w.put_sync(threading.Lock())
+        assert w.statistics().messages_put == 0
+        await w.put("next")
+        assert r.get_nowait() == "next"
+        with pytest.raises(aioshmq.Empty):
+            r.get_nowait()
+
+
+async def test_cancelled_put_publishes_nothing() -> None:
+    with aioshmq.create(capacity=1 << 16, max_messages=1) as w, aioshmq.connect(w.name) as r:
+        await w.put("first")
+        with anyio.move_on_after(0.05) as scope:
+            await w.put("never")
+        assert scope.cancelled_caught
+        assert w.statistics().tasks_waiting_send == 0
+        assert r.get_nowait() == "first"
+        with pytest.raises(aioshmq.Empty):
+            r.get_nowait()
+        await w.put("second")
+        assert r.get_nowait() == "second"
+
+
+async def test_cancelled_put_many_publishes_nothing() -> None:
+    with aioshmq.create(capacity=1 << 16, max_messages=4) as w, aioshmq.connect(w.name) as r:
+        await w.put_many([0, 1])
+        with anyio.move_on_after(0.05) as scope:
+            await w.put_many([2, 3, 4])  # fits the ring, but not now: all or nothing
+        assert scope.cancelled_caught
+        assert await r.get_many() == [0, 1]
+        await w.put_many([5, 6, 7])
+        assert await r.get_many() == [5, 6, 7]
+
+
+def test_put_sync_timeout() -> None:
+    with aioshmq.create(capacity=1 << 16, max_messages=1) as w, aioshmq.connect(w.name) as r:
+        w.put_sync(1, timeout=1)
+        with pytest.raises(TimeoutError):
+            w.put_sync(2, timeout=0.05)
+        assert r.get_sync(timeout=1) == 1
+        w.put_sync(3, timeout=1)
+        assert r.get_sync(timeout=1) == 3
+
+
+def test_put_sync_wakes_when_reader_frees_room() -> None:
+    with aioshmq.create(capacity=1 << 16, max_messages=1) as w, aioshmq.connect(w.name) as r:
+        w.put_sync(0)
+        got: list[int] = []
+        t = threading.Thread(target=lambda: got.extend(r.get_sync(timeout=10) for _ in range(50)))
+        t.start()
+        for i in range(1, 50):
+            w.put_sync(i, timeout=10)
+        t.join(20)
+        assert got == list(range(50))
+
+
+async def test_closed_writer_raises() -> None:
+    w = aioshmq.create(capacity=1 << 16)
+    await w.aclose()
+    for call in (lambda: w.put_nowait(1), w.statistics, lambda: w.put_sync(1)):
+        with pytest.raises(anyio.ClosedResourceError):
+            call()
+    with pytest.raises(anyio.ClosedResourceError):
+        await w.put(1)
+    await w.aclose()  # idempotent
+
+
+async def test_aclose_wakes_a_waiting_put() -> None:
+    w = aioshmq.create(capacity=1 << 16, max_messages=1)
+    with aioshmq.connect(w.name) as r:
+        await w.put(0)
+        async with anyio.create_task_group() as tg:
+
+            async def blocked() -> None:
+                with pytest.raises(anyio.ClosedResourceError):
+                    await w.put(1)
+
+            tg.start_soon(blocked)
+            await anyio.wait_all_tasks_blocked()
+            await w.aclose()
+        assert await r.get() == 0
+        with pytest.raises(anyio.EndOfStream):
+            await r.get()
+
+
+async def test_wait_readers() -> None:
+    with aioshmq.create(capacity=1 << 16, readers=2) as w:
+        r0 = aioshmq.connect(w.name, 0)
+        done = anyio.Event()
+
+        async def waiter() -> None:
+            await w.wait_readers()
+            done.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiter)
+            await anyio.wait_all_tasks_blocked()
+            assert not done.is_set()
+            r1 = aioshmq.connect(w.name, 1)
+            with anyio.fail_after(5):
+                await done.wait()
+        r0.close()
+        r1.close()
+
+
+async def test_statistics_totals() -> None:
+    with aioshmq.create(capacity=1 << 16, readers=1, serializer="raw") as w:
+        with aioshmq.connect(w.name) as r:
+            await w.put(b"abc")
+            await w.put_many([b"de", b"f"])
+            s = w.statistics()
+            assert (s.messages_put, s.bytes_put, s.messages_in_ring) == (3, 6, 3)
+            assert (s.readers, s.readers_attached, s.capacity) == (1, 1, 1 << 16)
+            assert await r.get_many() == [b"abc", b"de", b"f"]
+            rs = r.statistics()
+            assert (rs.messages_received, rs.bytes_received, rs.messages_available) == (3, 6, 0)
+            assert w.statistics().messages_in_ring == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"capacity": 0}, "capacity=0"),
+        ({"capacity": -5}, "capacity=-5"),
+        ({"capacity": 100}, "capacity=100"),
+        ({"capacity": 1 << 60}, "capacity="),
+        ({"max_messages": 0}, "max_messages=0"),
+        ({"readers": 0}, "readers=0"),
+        ({"name": "a/b"}, "name='a/b'"),
+        ({"notifier": "carrier-pigeon"}, "carrier-pigeon"),
+        ({"serializer": "yaml"}, "yaml"),
+    ],
+)
+def test_bad_arguments(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        aioshmq.create(**kwargs)  # type: ignore[arg-type]
+
+
+def test_bad_argument_types() -> None:
+    with pytest.raises(TypeError, match="capacity"):
+        aioshmq.create(capacity="big")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="dumps"):
+        aioshmq.create(serializer=object())  # type: ignore[arg-type]
+
+
+def test_capacity_beyond_memory_fails_cleanly() -> None:
+    # 64 TiB cannot be reserved here: a clear MemoryError at creation, never SIGBUS later.
+    with pytest.raises(MemoryError, match="capacity="):
+        aioshmq.create(capacity=1 << 46)
+
+
+def test_name_taken() -> None:
+    with aioshmq.create(capacity=1 << 16, name="taken-name") as w:
+        with pytest.raises(FileExistsError, match="taken-name"):
+            aioshmq.create(capacity=1 << 16, name="taken-name")
+        assert w.name == "taken-name"
