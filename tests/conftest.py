@@ -41,8 +41,13 @@ def backend_name(anyio_backend: Any) -> str:
 
 def run_backend(name: str, fn: Callable[..., Any], *args: Any) -> Any:
     """Run ``fn(*args)`` under the named backend (in a child process, say)."""
+    import signal
+
     import anyio
 
+    # A child forked from a process running trio inherits trio's signal wake-up fd, which
+    # makes the child's own trio refuse to start.
+    signal.set_wakeup_fd(-1)
     if name == "uvloop":
         return anyio.run(fn, *args, backend="asyncio", backend_options={"use_uvloop": True})
     return anyio.run(fn, *args, backend=name)
@@ -57,6 +62,8 @@ class Children:
     def start(
         self, method: str, target: Callable[..., Any], *args: Any
     ) -> multiprocessing.process.BaseProcess:
+        """Start a child; from a coroutine, use ``await anyio.to_thread.run_sync(...)``, so
+        that a forked child does not inherit a running event loop."""
         ctx = multiprocessing.get_context(method)
         proc = ctx.Process(target=target, args=args, daemon=True)
         proc.start()

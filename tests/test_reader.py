@@ -1,0 +1,191 @@
+"""The reading end: iteration, end of stream, non-blocking and blocking gets, cancellation."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+import aioshmq
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_async_for_ends_after_writer_closes() -> None:
+    w = aioshmq.create(capacity=1 << 16)
+    with aioshmq.connect(w.name) as r:
+        await w.put_many(range(10))
+        await w.aclose()
+        got = [msg async for msg in r]
+        assert got == list(range(10))
+        with pytest.raises(anyio.EndOfStream):
+            await r.get()
+        with pytest.raises(anyio.EndOfStream):
+            r.get_nowait()
+        with pytest.raises(anyio.EndOfStream):
+            r.get_sync(timeout=1)
+
+
+async def test_end_of_stream_wakes_a_sleeping_reader() -> None:
+    w = aioshmq.create(capacity=1 << 16)
+    with aioshmq.connect(w.name) as r:
+        got: list[object] = []
+
+        async def consume() -> None:
+            got.extend([msg async for msg in r])
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume)
+            await anyio.wait_all_tasks_blocked()
+            await w.put("last")
+            await w.aclose()
+        assert got == ["last"]
+
+
+async def test_get_nowait_empty_then_message() -> None:
+    with aioshmq.create(capacity=1 << 16) as w, aioshmq.connect(w.name) as r:
+        with pytest.raises(aioshmq.Empty):
+            r.get_nowait()
+        w.put_nowait(("a", 1))
+        assert r.get_nowait() == ("a", 1)
+        with pytest.raises(aioshmq.Empty):
+            r.get_nowait()
+
+
+async def test_get_many_respects_max() -> None:
+    with aioshmq.create(capacity=1 << 16) as w, aioshmq.connect(w.name) as r:
+        await w.put_many(range(10))
+        assert await r.get_many(max_messages=4) == [0, 1, 2, 3]
+        assert await r.get_many() == [4, 5, 6, 7, 8, 9]
+        with pytest.raises(ValueError, match="max_messages"):
+            await r.get_many(max_messages=0)
+
+
+async def test_get_waits_until_put() -> None:
+    with aioshmq.create(capacity=1 << 16) as w, aioshmq.connect(w.name) as r:
+        async with anyio.create_task_group() as tg:
+            result: list[object] = []
+
+            async def getter() -> None:
+                result.append(await r.get())
+
+            tg.start_soon(getter)
+            await anyio.wait_all_tasks_blocked()
+            assert r.statistics().tasks_waiting_receive == 1
+            await w.put("hello")
+        assert result == ["hello"]
+
+
+async def test_cancelled_get_consumes_nothing() -> None:
+    with aioshmq.create(capacity=1 << 16) as w, aioshmq.connect(w.name) as r:
+        with anyio.move_on_after(0.05) as scope:
+            await r.get()
+        assert scope.cancelled_caught
+        assert r.statistics().tasks_waiting_receive == 0
+        await w.put(1)
+        await w.put(2)
+        assert await r.get() == 1
+        assert await r.get() == 2
+
+
+async def test_many_cancelled_gets_lose_nothing() -> None:
+    with aioshmq.create(capacity=1 << 16) as w, aioshmq.connect(w.name) as r:
+        got: list[int] = []
+
+        async def consume() -> None:
+            while len(got) < 200:
+                with anyio.move_on_after(0.0005):
+                    got.append(await r.get())
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume)
+            for i in range(200):
+                await w.put(i)
+                if i % 7 == 0:
+                    await anyio.sleep(0.001)
+        assert got == list(range(200))
+
+
+def test_get_sync_timeout() -> None:
+    with aioshmq.create(capacity=1 << 16) as w, aioshmq.connect(w.name) as r:
+        with pytest.raises(TimeoutError):
+            r.get_sync(timeout=0.05)
+        w.put_sync("x")
+        assert r.get_sync(timeout=0) == "x"
+        with pytest.raises(ValueError, match="timeout"):
+            r.get_sync(timeout=-1)
+
+
+async def test_closed_reader_raises() -> None:
+    with aioshmq.create(capacity=1 << 16) as w:
+        r = aioshmq.connect(w.name)
+        await r.aclose()
+        with pytest.raises(anyio.ClosedResourceError):
+            await r.get()
+        with pytest.raises(anyio.ClosedResourceError):
+            r.get_nowait()
+        with pytest.raises(anyio.ClosedResourceError):
+            r.statistics()
+
+
+async def test_aclose_wakes_a_waiting_get() -> None:
+    with aioshmq.create(capacity=1 << 16) as w:
+        r = aioshmq.connect(w.name)
+        async with anyio.create_task_group() as tg:
+
+            async def blocked() -> None:
+                with pytest.raises(anyio.ClosedResourceError):
+                    await r.get()
+
+            tg.start_soon(blocked)
+            await anyio.wait_all_tasks_blocked()
+            await r.aclose()
+
+
+async def test_closing_reader_gives_its_slot_up() -> None:
+    with aioshmq.create(capacity=1 << 16, max_messages=2, readers=2) as w:
+        r0, r1 = aioshmq.connect(w.name, 0), aioshmq.connect(w.name, 1)
+        await w.put_many([1, 2])
+        r1.close()
+        # The writer stops waiting for reader 1 once it has gone.
+        assert await r0.get_many() == [1, 2]
+        with anyio.fail_after(5):
+            await w.put_many([3, 4])
+        # A new reader in that slot starts at the head: it gets what comes next.
+        with aioshmq.connect(w.name, 1) as again:
+            assert await r0.get_many() == [3, 4]
+            await w.put(5)
+            assert await again.get() == 5
+            assert await r0.get() == 5
+        r0.close()
+
+
+async def test_unattached_slot_keeps_messages_for_a_late_reader() -> None:
+    with aioshmq.create(capacity=1 << 16, readers=2) as w:
+        with aioshmq.connect(w.name, 0) as r0:
+            await w.put_many(["a", "b"])
+            assert await r0.get_many() == ["a", "b"]
+            assert w.statistics().messages_in_ring == 2  # kept for reader 1
+            with aioshmq.connect(w.name, 1) as late:
+                assert await late.get_many() == ["a", "b"]
+
+
+async def test_reader_statistics() -> None:
+    with aioshmq.create(capacity=1 << 16, readers=3) as w, aioshmq.connect(w.name, 2) as r:
+        await w.put_many([b"x" * 10] * 3)
+        s = r.statistics()
+        assert (s.reader, s.messages_available, s.messages_received) == (2, 3, 0)
+        assert s.bytes_available > 30
+        await r.get()
+        s = r.statistics()
+        assert (s.messages_available, s.messages_received) == (2, 1)
+
+
+@pytest.mark.asyncio(loop_factories=["asyncio", "uvloop"])
+async def test_under_pytest_asyncio() -> None:
+    """The runner most asyncio projects use (strict mode), on asyncio and uvloop loops."""
+    async with aioshmq.create(capacity=1 << 16) as w:
+        async with aioshmq.connect(w.name) as r:
+            await w.put_many(range(5))
+            assert [await r.get() for _ in range(5)] == list(range(5))
+            with pytest.raises(aioshmq.Empty):
+                r.get_nowait()
