@@ -126,6 +126,8 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         ring = self._ring
         msg = ring.next()
         if msg is None:
+            if ring.tail != ring.shown_tail:
+                ring.publish()  # fragments were read: let the writer reuse their room
             if ring.closed():
                 raise anyio.EndOfStream
             return _EMPTY
@@ -245,7 +247,7 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
     def statistics(self) -> ReaderStatistics:
         self._check()
         ring = self._ring
-        ring.available()
+        ring.refresh()
         head_count = self._seg.words[self._layout.writer_word(L.W_HEAD_COUNT)]
         return ReaderStatistics(
             reader=self._index,

@@ -366,8 +366,10 @@ class RingReader:
         self.skipping = False  # joined in the middle of a fragmented message
 
     def available(self) -> bool:
-        if self.tail != self.head:
-            return True
+        return self.tail != self.head or self.refresh()
+
+    def refresh(self) -> bool:
+        """Load the published head; True if there is something past this reader's tail."""
         self.head = self.w[self.w_head]
         acquire()
         if self.head < self.tail:

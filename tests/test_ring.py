@@ -1,0 +1,196 @@
+"""The ring itself: record placement, both bounds, wrap-around, fragments, against a model."""
+
+from __future__ import annotations
+
+import collections
+
+import anyio
+import numpy as np
+import pytest
+from conftest import Children, backend_name, run_backend
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+import aioshmq
+from aioshmq import _layout as L
+
+pytestmark = pytest.mark.anyio
+
+
+class RingModel(RuleBasedStateMachine):
+    """The ring against a plain-Python broadcast queue that follows the layout rules.
+
+    Records are 16 bytes of header plus the payload rounded up to 16; one that would cross
+    the end of the data area is preceded by padding to the end.  A put fits when the
+    slowest reader leaves room for the record (and its padding) and for one more message.
+    """
+
+    CAP = 4096
+    MAX = 7
+    READERS = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = aioshmq.create(capacity=self.CAP, max_messages=self.MAX, readers=2,
+                                serializer="raw")
+        self.r = [aioshmq.connect(self.w.name, i) for i in range(self.READERS)]
+        self.pos = self.count = 0
+        self.queues: list[collections.deque[tuple[bytes, int]]] = [
+            collections.deque() for _ in range(self.READERS)
+        ]
+        self.tails = [0] * self.READERS
+        self.counts = [0] * self.READERS
+        self.serial = 0
+
+    def teardown(self) -> None:
+        for r in self.r:
+            r.close()
+        self.w.close()
+
+    @rule(size=st.integers(0, CAP // 2 - L.HEADER_SIZE))
+    def put_nowait(self, size: int) -> None:
+        self.serial += 1
+        msg = (self.serial.to_bytes(4, "little") * (size // 4 + 1))[:size]
+        rec = L.HEADER_SIZE + L.align(size, 16)
+        off = self.pos % self.CAP
+        span = rec if off + rec <= self.CAP else self.CAP - off + rec
+        fits = (
+            self.pos + span - min(self.tails) <= self.CAP
+            and self.count + 1 - min(self.counts) <= self.MAX
+        )
+        try:
+            self.w.put_nowait(msg)
+        except aioshmq.Full:
+            assert not fits, "Full, but the model has room"
+            return
+        assert fits, "accepted, but the model has no room"
+        self.pos += span
+        self.count += 1
+        for q in self.queues:
+            q.append((msg, self.pos))
+
+    @rule(i=st.integers(0, READERS - 1))
+    def get_nowait(self, i: int) -> None:
+        try:
+            got = self.r[i].get_nowait()
+        except aioshmq.Empty:
+            assert not self.queues[i]
+            return
+        msg, end = self.queues[i].popleft()
+        assert got == msg
+        self.tails[i] = end
+        self.counts[i] += 1
+
+    @precondition(lambda self: any(self.queues))
+    @rule(i=st.integers(0, READERS - 1))
+    def drain(self, i: int) -> None:
+        while self.queues[i]:
+            self.get_nowait(i)
+
+    @invariant()
+    def statistics_agree(self) -> None:
+        s = self.w.statistics()
+        assert s.messages_in_ring == self.count - min(self.counts)
+        assert s.bytes_in_ring == self.pos - min(self.tails)
+        for i, r in enumerate(self.r):
+            rs = r.statistics()
+            assert rs.messages_available == len(self.queues[i])
+            assert rs.bytes_available == self.pos - self.tails[i]
+
+
+TestRingModel = RingModel.TestCase
+TestRingModel.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+
+
+def _child_checks_big(handle: aioshmq.Handle, backend: str, n: int) -> None:
+    async def main() -> None:
+        async with aioshmq.connect(handle) as r:
+            for i in range(n):
+                arr = await r.get()
+                if arr.shape != (8 << 20,) or arr[0] != i or arr[-1] != i + 1 or arr[1] != 7:
+                    raise SystemExit(f"message {i} damaged: {arr[:3]} ... {arr[-3:]}")
+            with anyio.fail_after(10):
+                try:
+                    await r.get()
+                except anyio.EndOfStream:
+                    return
+            raise SystemExit("expected the end of the stream")
+
+    run_backend(backend, main)
+
+
+async def test_message_larger_than_ring(anyio_backend: object, children: Children) -> None:
+    """A 64 MiB array crosses a 1 MiB ring in fragments and arrives intact."""
+    n = 3
+    async with aioshmq.create(capacity=1 << 20, max_messages=64) as w:
+        await anyio.to_thread.run_sync(
+            children.start, "spawn", _child_checks_big, w.handle, backend_name(anyio_backend), n
+        )
+        with anyio.fail_after(60):
+            await w.wait_readers()
+            for i in range(n):
+                arr = np.full(8 << 20, 7, dtype=np.int64)
+                arr[0], arr[-1] = i, i + 1
+                await w.put(arr)
+            assert w.statistics().bytes_put >= n * (64 << 20)
+    assert await anyio.to_thread.run_sync(children.join) == [0]
+
+
+async def test_fragmented_message_in_process() -> None:
+    with aioshmq.create(capacity=4096, serializer="raw") as w, aioshmq.connect(w.name) as r:
+        big = bytes(range(256)) * 64  # 16 KiB through a 4 KiB ring
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(w.put, big)
+            with anyio.fail_after(10):
+                assert await r.get() == big
+        w.put_nowait(b"small")
+        assert r.get_nowait() == b"small"
+
+
+async def test_put_nowait_of_a_fragmented_message_is_all_or_nothing() -> None:
+    with aioshmq.create(capacity=8192, serializer="raw") as w, aioshmq.connect(w.name) as r:
+        w.put_nowait(b"a" * 5000)  # fits the empty ring, in fragments
+        with pytest.raises(aioshmq.Full):
+            w.put_nowait(b"b" * 5000)
+        assert r.get_nowait() == b"a" * 5000
+        assert w.statistics().messages_put == 1
+        with pytest.raises(aioshmq.Empty):
+            r.get_nowait()
+
+
+async def test_cancelled_fragmented_put_is_never_delivered() -> None:
+    with aioshmq.create(capacity=4096, serializer="raw") as w, aioshmq.connect(w.name) as r:
+        with anyio.move_on_after(0.05) as scope:
+            await w.put(b"x" * 20000)  # needs the reader to make progress: never completes
+        assert scope.cancelled_caught
+        with pytest.raises(aioshmq.Empty):
+            r.get_nowait()  # consumes the fragments that were published, delivers nothing
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(w.put, b"next")
+            with anyio.fail_after(10):
+                assert await r.get() == b"next"
+
+
+async def test_reader_joining_mid_message_skips_it() -> None:
+    with aioshmq.create(capacity=4096, readers=2, serializer="raw") as w:
+        with aioshmq.connect(w.name, 0) as r0:
+            aioshmq.connect(w.name, 1).close()  # slot 1 given up: readers there start at the head
+            got: list[bytes] = []
+            late_got: list[bytes] = []
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(w.put, b"y" * 10000)
+                await anyio.wait_all_tasks_blocked()
+                late = aioshmq.connect(w.name, 1)  # joins while fragments are in flight
+
+                async def read_late() -> None:
+                    late_got.append(await late.get())
+
+                tg.start_soon(read_late)
+                with anyio.fail_after(10):
+                    got.append(await r0.get())
+                await w.put(b"after")
+            late.close()
+            assert got == [b"y" * 10000]
+            assert late_got == [b"after"]
+            assert await r0.get() == b"after"

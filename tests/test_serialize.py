@@ -1,0 +1,138 @@
+"""Serializers: pickle protocol 5 with out-of-band buffers, cloudpickle, raw bytes, custom."""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import numpy as np
+import pytest
+
+import aioshmq
+from aioshmq._serialize import PickleSerializer, resolve
+
+pytestmark = pytest.mark.anyio
+
+
+def test_pickle_puts_numpy_buffers_out_of_band() -> None:
+    arr = np.arange(1000, dtype=np.float64)
+    main, buffers = PickleSerializer().dumps({"a": arr})
+    assert len(buffers) == 1 and buffers[0].nbytes == arr.nbytes
+    assert len(main) < 1000  # the array's bytes are not in the pickle stream
+
+
+async def test_numpy_arrays_arrive_intact_and_writable() -> None:
+    with aioshmq.create(capacity=1 << 20) as w, aioshmq.connect(w.name) as r:
+        arrays = [
+            np.arange(10_000, dtype=np.int64),
+            np.ones((64, 33), dtype=np.float32),
+            np.asfortranarray(np.arange(60).reshape(6, 10)),
+            np.arange(100)[::3],  # not contiguous: goes in-band
+            np.array([], dtype=np.uint8),
+        ]
+        await w.put_many([(i, a) for i, a in enumerate(arrays)])
+        for i, a in enumerate(arrays):
+            j, got = await r.get()
+            assert j == i and got.dtype == a.dtype and np.array_equal(got, a)
+            got[...] = 0  # a copy out of the ring: writable, and the ring is untouched
+        await w.put(arrays[0])
+        assert np.array_equal(await r.get(), arrays[0])
+
+
+async def test_out_of_band_buffers_are_aligned_in_the_ring() -> None:
+    with aioshmq.create(capacity=1 << 20) as w, aioshmq.connect(w.name) as r:
+        await w.put(("x" * 3, np.arange(5, dtype=np.complex128)))
+        from aioshmq._ring import decode
+
+        payload, kind, _ = r._ring.next()  # type: ignore[misc]
+        _, buffers = decode(payload, kind)
+        base = np.frombuffer(r._seg.data, dtype=np.uint8).ctypes.data
+        offset = np.frombuffer(buffers[0], dtype=np.uint8).ctypes.data - base
+        assert offset % 16 == 0
+        assert np.array_equal((await r.get())[1], np.arange(5, dtype=np.complex128))
+
+
+async def test_cloudpickle_sends_lambdas() -> None:
+    with aioshmq.create(capacity=1 << 16, serializer="cloudpickle") as w:
+        with aioshmq.connect(w.name) as r:
+            k = 7
+            await w.put(lambda x: x * k)
+            fn = await r.get()
+            assert fn(6) == 42
+
+
+async def test_raw_bytes_in_bytes_out() -> None:
+    with aioshmq.create(capacity=1 << 16, serializer="raw") as w, aioshmq.connect(w.name) as r:
+        await w.put(b"abc")
+        await w.put(bytearray(b"de"))
+        await w.put(memoryview(np.arange(4, dtype=np.int32)))
+        assert await r.get() == b"abc"
+        assert await r.get() == b"de"
+        assert await r.get() == np.arange(4, dtype=np.int32).tobytes()
+        with pytest.raises(TypeError, match="bytes-like"):
+            await w.put("text")
+        with pytest.raises(ValueError, match="contiguous"):
+            await w.put(memoryview(np.arange(10)[::2]))
+        await w.put(b"still fine")
+        assert await r.get() == b"still fine"
+
+
+class _Json:
+    def dumps(self, obj: Any) -> bytes:
+        import json
+
+        return json.dumps(obj).encode()
+
+    def loads(self, data: bytes) -> Any:
+        import json
+
+        return json.loads(data)
+
+
+async def test_custom_serializer() -> None:
+    with aioshmq.create(capacity=1 << 16, serializer=_Json()) as w:
+        with aioshmq.connect(w.name, serializer=_Json()) as r:
+            await w.put({"a": [1, 2]})
+            assert await r.get() == {"a": [1, 2]}
+            with pytest.raises(TypeError):
+                await w.put({1, 2})  # json cannot encode a set
+            await w.put("ok")
+            assert await r.get() == "ok"
+
+
+def test_custom_serializer_needs_callables() -> None:
+    class Half:
+        dumps = staticmethod(pickle.dumps)
+        loads = "not callable"
+
+    with pytest.raises(TypeError, match="callable dumps and loads"):
+        resolve(Half())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="callable"):
+        aioshmq.create(serializer=Half())  # type: ignore[arg-type]
+
+
+class _BadLoads:
+    def __reduce__(self) -> Any:
+        return (_explode, ())
+
+
+def _explode() -> None:
+    raise RuntimeError("cannot rebuild this")
+
+
+async def test_a_message_that_fails_to_load_is_reported_and_skipped() -> None:
+    with aioshmq.create(capacity=1 << 16) as w, aioshmq.connect(w.name) as r:
+        await w.put_many([1, _BadLoads(), 3])
+        assert await r.get() == 1
+        with pytest.raises(RuntimeError, match="cannot rebuild"):
+            await r.get()
+        assert await r.get() == 3
+
+
+async def test_get_many_keeps_what_it_read_before_a_bad_message() -> None:
+    with aioshmq.create(capacity=1 << 16) as w, aioshmq.connect(w.name) as r:
+        await w.put_many([1, 2, _BadLoads(), 4])
+        assert await r.get_many() == [1, 2]
+        with pytest.raises(RuntimeError, match="cannot rebuild"):
+            await r.get_many()
+        assert await r.get_many() == [4]
