@@ -222,15 +222,22 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("need --workers >= 1 and --messages >= 0")
 
     workers = Workers()
+    error: str | None = None
     try:
         try:
             sent, started, wakeups = run_backend(args.backend, write_all, args, workers)
         except Exception as exc:
-            print(f"writer failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-            return 1
-        reports = workers.collect(RESULT_TIMEOUT)
+            error = f"{type(exc).__name__}: {exc}"
+        else:
+            reports = workers.collect(RESULT_TIMEOUT)
     finally:
         codes = workers.reap(RESULT_TIMEOUT)  # always: no worker outlives this function
+    if error is not None:
+        print(f"writer failed: {error}")
+        for proc, code in zip(workers.procs, codes, strict=True):
+            print(f"{proc.name}: exit code {code}")
+        print("FAILED")
+        return 1
 
     print(
         f"sent {sent['count']} messages, {sent['nbytes']} bytes, crc32 {sent['crc']:08x} "
