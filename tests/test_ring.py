@@ -32,8 +32,9 @@ class RingModel(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.w = aioshmq.create(capacity=self.CAP, max_messages=self.MAX, readers=2,
-                                serializer="raw")
+        self.w = aioshmq.create(
+            capacity=self.CAP, max_messages=self.MAX, readers=2, serializer="raw"
+        )
         self.r = [aioshmq.connect(self.w.name, i) for i in range(self.READERS)]
         self.pos = self.count = 0
         self.queues: list[collections.deque[tuple[bytes, int]]] = [

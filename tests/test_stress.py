@@ -79,7 +79,10 @@ async def _stress(backend: str, notifier: str, children: Children) -> None:
     assert sum(all_sizes) > 400_000_000
     rng = random.Random(SEED)
     async with aioshmq.create(
-        capacity=1 << 20, max_messages=64, readers=READERS, notifier=notifier  # type: ignore[arg-type]
+        capacity=1 << 20,
+        max_messages=64,
+        readers=READERS,
+        notifier=notifier,  # type: ignore[arg-type]
     ) as w:
         for i in range(READERS):
             await anyio.to_thread.run_sync(children.start, "spawn", _reader, w.handle, i, backend)
