@@ -155,3 +155,19 @@ def test_reader_of_custom_serializer_must_name_it() -> None:
         with aioshmq.connect(w.name, serializer=Custom()) as r:
             w.put_nowait({"k": 1})
             assert r.get_nowait() == {"k": 1}
+
+
+@pytest.mark.asyncio(loop_factories=["asyncio", "uvloop"])
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+async def test_attach_by_handle_under_pytest_asyncio(method: str, children: Children) -> None:
+    """The same broadcast under pytest-asyncio (strict mode), with asyncio and uvloop loops."""
+    import asyncio
+
+    async with aioshmq.create(capacity=1 << 16, max_messages=8, readers=2) as w:
+        for i in range(2):
+            await asyncio.to_thread(
+                children.start, method, _child_reads, w.handle, i, "asyncio", 100
+            )
+        await asyncio.wait_for(w.wait_readers(), 60)
+        await asyncio.wait_for(w.put_many(range(100)), 60)
+    assert await asyncio.to_thread(children.join) == [0, 0]
