@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._notify import Notifier, NotifierKind
-from ._ring import ATTACHED, DEAD, RingWriter
+from ._ring import DEAD, RingWriter
 
 PREFIX = "\0aioshmq/"
 BYE = b"bye"
@@ -34,6 +34,37 @@ def check_name(name: object) -> str:
     if not name or len(name.encode()) > NAME_MAX or "/" in name or "\0" in name:
         raise ValueError(f"name={name!r}: need 1 to {NAME_MAX} bytes without '/' or NUL")
     return name
+
+
+def pidfd_of(pid: int) -> int:
+    """An fd that becomes readable when process ``pid`` exits; -1 where pidfds are missing.
+
+    The connection's end-of-file already tells that the peer has gone; the pidfd also tells
+    it when a stray copy of the peer's socket outlives the peer's process.
+    """
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return -1
+
+
+class _Conn:
+    """One reader connection, attached to a slot once its request is granted."""
+
+    __slots__ = ("bye", "index", "pid", "pidfd", "sock")
+
+    def __init__(self, sock: socket.socket, pid: int) -> None:
+        self.sock = sock
+        self.pid = pid
+        self.index: int | None = None
+        self.pidfd = -1
+        self.bye = False
+
+    def close(self) -> None:
+        self.sock.close()
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
 
 
 @dataclass
@@ -69,7 +100,6 @@ class Broker:
         self.on_change = on_change
         self.detach_dead = detach_dead
         self.departures: list[Departure] = []
-        self.pids: dict[int, int] = {}
         self._dead_pids: dict[int, int] = {}
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
@@ -82,8 +112,7 @@ class Broker:
         self._listener.listen(64)
         self._listener.setblocking(False)
         self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-        self._conns: dict[socket.socket, int | None] = {}
-        self._byes: set[socket.socket] = set()
+        self._conns: set[_Conn] = set()
         self._thread = threading.Thread(
             target=self._run, name=f"aioshmq-broker-{name}", daemon=True
         )
@@ -102,14 +131,16 @@ class Broker:
                         return
                     if key.fileobj is self._listener:
                         self._accept(sel)
-                    else:
-                        sock = key.fileobj
-                        assert isinstance(sock, socket.socket)
-                        self._readable(sel, sock)
+                    elif isinstance(key.data, _Conn):
+                        conn = key.data
+                        if key.fileobj is conn.sock:
+                            self._readable(sel, conn)
+                        else:  # its pidfd: the reader's process has exited
+                            self._gone(sel, conn)
         finally:
             sel.close()
-            for sock in list(self._conns):
-                sock.close()
+            for conn in list(self._conns):
+                conn.close()
             self._conns.clear()
 
     def _accept(self, sel: selectors.BaseSelector) -> None:
@@ -124,71 +155,87 @@ class Broker:
             sock.close()
             return
         sock.setblocking(False)
-        self._conns[sock] = None
-        self.pids[id(sock)] = pid
-        sel.register(sock, selectors.EVENT_READ)
+        conn = _Conn(sock, pid)
+        self._conns.add(conn)
+        sel.register(sock, selectors.EVENT_READ, conn)
 
-    def _readable(self, sel: selectors.BaseSelector, sock: socket.socket) -> None:
+    def _readable(self, sel: selectors.BaseSelector, conn: _Conn) -> None:
         try:
-            data = sock.recv(4096)
+            data = conn.sock.recv(4096)
         except BlockingIOError:
             return
         except OSError:
             data = b""
-        index = self._conns.get(sock)
         if data == BYE:
-            self._byes.add(sock)
-            return
-        if data and index is None:
-            self._attach(sel, sock, data)
-            return
-        # End of file (or garbage from an attached reader): the reader is gone.
-        sel.unregister(sock)
-        del self._conns[sock]
-        pid = self.pids.pop(id(sock), 0)
-        clean = sock in self._byes
-        self._byes.discard(sock)
-        sock.close()
-        if index is not None:
-            if clean or self.detach_dead:
-                self.ring.detach(index)
-            else:
-                self._dead_pids[index] = pid
-                self.ring.detach(index, DEAD)
-            self.departures.append(Departure(index, pid, clean))
-            self.on_change()
+            conn.bye = True
+        elif data and conn.index is None:
+            self._attach(sel, conn, data)
+        else:  # end of file, or garbage from an attached reader: it is gone
+            self._gone(sel, conn)
 
-    def _attach(self, sel: selectors.BaseSelector, sock: socket.socket, data: bytes) -> None:
+    def _gone(self, sel: selectors.BaseSelector, conn: _Conn) -> None:
+        """The reader closed its end, or its process ended: free or mark its slot."""
+        # The pidfd can fire before the socket's last words are read: a "bye" sent just
+        # before a normal exit still makes this a clean departure.
+        while not conn.bye:
+            try:
+                data = conn.sock.recv(4096)
+            except (BlockingIOError, OSError):
+                break
+            if not data:
+                break
+            conn.bye = data == BYE
+        sel.unregister(conn.sock)
+        if conn.pidfd >= 0:
+            sel.unregister(conn.pidfd)
+        self._conns.discard(conn)
+        conn.close()
+        index = conn.index
+        if index is None:
+            return
+        if conn.bye or self.detach_dead:
+            self.ring.detach(index)
+        else:
+            self._dead_pids[index] = conn.pid
+            self.ring.detach(index, DEAD)
+        self.departures.append(Departure(index, conn.pid, conn.bye))
+        self.on_change()
+
+    def _attach(self, sel: selectors.BaseSelector, conn: _Conn, data: bytes) -> None:
         try:
             request = json.loads(data)
             index = request["reader"]
             if not isinstance(index, int):
                 raise TypeError
         except (ValueError, KeyError, TypeError):
-            self._refuse(sel, sock, "request", f"malformed attach request {data[:100]!r}")
+            self._refuse(sel, conn, "request", f"malformed attach request {data[:100]!r}")
             return
         readers = self.ring.layout.readers
-        states = self.ring.gate.states
         if not 0 <= index < readers:
             self._refuse(
                 sel,
-                sock,
+                conn,
                 "range",
                 f"reader={index} is out of range: this ring has readers 0..{readers - 1}",
             )
             return
-        if states[index] == ATTACHED or index in self._conns.values():
-            pid = next((self.pids.get(id(s), 0) for s, i in self._conns.items() if i == index), 0)
+        holder = next((c for c in self._conns if c.index == index), None)
+        if holder is not None:
             self._refuse(
                 sel,
-                sock,
+                conn,
                 "busy",
-                f"reader slot {index} of ring {self.name!r} is held by a live reader (pid {pid})",
+                f"reader slot {index} of ring {self.name!r} is held by a live reader "
+                f"(pid {holder.pid})",
             )
             return
         self.reader_wake[index].drain()
         self.ring.attach(index)
-        self._conns[sock] = index
+        self._dead_pids.pop(index, None)
+        conn.index = index
+        conn.pidfd = pidfd_of(conn.pid)
+        if conn.pidfd >= 0:
+            sel.register(conn.pidfd, selectors.EVENT_READ, conn)
         reply = {
             "ok": True,
             "notifier": self.writer_wake.kind,
@@ -197,22 +244,19 @@ class Broker:
         }
         fds = [self.segment_fd, self.writer_wake.write_fd, self.reader_wake[index].read_fd]
         try:
-            socket.send_fds(sock, [json.dumps(reply).encode()], fds)
+            socket.send_fds(conn.sock, [json.dumps(reply).encode()], fds)
         except OSError:
-            pass  # the reader went away already: its end-of-file detaches the slot
+            pass  # the reader went away already: its end-of-file frees the slot
         self.on_change()
 
-    def _refuse(
-        self, sel: selectors.BaseSelector, sock: socket.socket, code: str, msg: str
-    ) -> None:
+    def _refuse(self, sel: selectors.BaseSelector, conn: _Conn, code: str, msg: str) -> None:
         try:
-            sock.send(json.dumps({"ok": False, "error": code, "message": msg}).encode())
+            conn.sock.send(json.dumps({"ok": False, "error": code, "message": msg}).encode())
         except OSError:
             pass
-        sel.unregister(sock)
-        del self._conns[sock]
-        self.pids.pop(id(sock), None)
-        sock.close()
+        sel.unregister(conn.sock)
+        self._conns.discard(conn)
+        conn.close()
 
     # -- owner side ------------------------------------------------------------------------
 
@@ -230,8 +274,8 @@ class Broker:
 
     def abandon(self) -> None:
         """In a forked child: release the inherited fds, touch nothing shared."""
-        for sock in list(self._conns):
-            sock.close()
+        for conn in list(self._conns):
+            conn.close()
         self._conns.clear()
         self._close_fds()
 

@@ -11,7 +11,7 @@ import anyio
 from anyio.abc import ObjectReceiveStream
 
 from . import _layout as L
-from ._broker import BYE, check_name, request
+from ._broker import BYE, check_name, pidfd_of, request
 from ._end import End, deadline_of
 from ._errors import Empty, PeerDied
 from ._layout import Layout
@@ -90,16 +90,27 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         self._deferred: BaseException | None = None
         self._seg = Segment.attach(att.segment_fd)
         att.segment_fd = -1
+        self._pidfd = -1
+        self._epoll: select.epoll | None = None
         try:
             self._layout, _ = Layout.read_header(self._seg.buf)
             self._seg.data = self._seg.buf[self._layout.data_offset : self._layout.size]
             self._ring = RingReader(self._seg, self._layout, index, self._writer_wake.signal)
             self._seg.words[self._layout.reader_word(index, L.R_PID)] = os.getpid()
-            self._epoll = select.epoll(2)
+            # One fd to wait on: readable on a wake-up, when the writer's connection ends,
+            # or when the writer's process exits (pidfd, where the kernel has them).
+            self._epoll = select.epoll(3)
             self._epoll.register(self._wake.read_fd, select.EPOLLIN)
             self._epoll.register(self._sock.fileno(), select.EPOLLIN | select.EPOLLRDHUP)
+            self._pidfd = pidfd_of(self._writer_pid)
+            if self._pidfd >= 0:
+                self._epoll.register(self._pidfd, select.EPOLLIN)
             self._wait_fd = self._epoll.fileno()
         except BaseException:
+            if self._epoll is not None:
+                self._epoll.close()
+            if self._pidfd >= 0:
+                os.close(self._pidfd)
             self._seg.close()
             raise
         self._closed = False
@@ -153,6 +164,8 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
             alive = True
         except OSError:
             alive = False
+        if alive and self._pidfd >= 0:
+            alive = not select.select([self._pidfd], [], [], 0)[0]
         if not alive and not self._ring.available() and not self._ring.closed():
             raise PeerDied(
                 f"the writer (pid {self._writer_pid}) of ring {self._name!r} died without "
@@ -268,7 +281,10 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
             except OSError:
                 pass
         self._sock.close()
-        self._epoll.close()
+        if self._epoll is not None:
+            self._epoll.close()
+        if self._pidfd >= 0:
+            os.close(self._pidfd)
         for fd in {*self._wake.fds(), *self._writer_wake.fds()}:
             os.close(fd)
         self._seg.close()
