@@ -133,6 +133,8 @@ class Broker:
                         self._accept(sel)
                     elif isinstance(key.data, _Conn):
                         conn = key.data
+                        if conn not in self._conns:
+                            continue  # gone on an earlier event of this same batch
                         if key.fileobj is conn.sock:
                             self._readable(sel, conn)
                         else:  # its pidfd: the reader's process has exited
@@ -312,13 +314,15 @@ def request(name: str, index: int, timeout: float | None) -> Attachment:
             raise FileNotFoundError(
                 f"no aioshmq ring named {name!r} (its writer closed, or never existed)"
             ) from None
-        sock.send(json.dumps({"reader": index, "pid": os.getpid()}).encode())
         try:
+            sock.send(json.dumps({"reader": index, "pid": os.getpid()}).encode())
             msg, fds, _flags, _addr = socket.recv_fds(sock, 4096, 4)
         except TimeoutError:
             raise TimeoutError(
                 f"the writer of ring {name!r} did not answer within {timeout} s"
             ) from None
+        except (ConnectionResetError, BrokenPipeError):
+            msg, fds = b"", []
         reply: dict[str, Any] = (
             json.loads(msg)
             if msg

@@ -8,6 +8,7 @@ from collections.abc import Generator, Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, NamedTuple, TypeVar
 
+import anyio
 from anyio.abc import ObjectSendStream
 
 from . import _layout as L
@@ -327,6 +328,26 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         while not self._all_attached():
             self._sleep_sync(deadline)
             self._wake.drain()
+
+    def drop_reader(self, index: int) -> None:
+        """Stop keeping messages for slot ``index`` whose reader died or never came.
+
+        After ``PeerDied`` (with ``on_reader_death="raise"``) this lets the writer go on
+        without that reader.  A slot held by a live reader cannot be dropped: its reader
+        would be overrun.  The slot can be attached again later; its reader starts at the
+        head.
+        """
+        self._check()
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise TypeError(f"index must be an int, not {type(index).__name__}")
+        if not 0 <= index < self._layout.readers:
+            raise ValueError(
+                f"index={index} is out of range: this ring has readers 0..{self._layout.readers - 1}"
+            )
+        if self._gate.states[index] == ATTACHED:
+            raise anyio.BusyResourceError(f"reader slot {index} is held by a live reader")
+        self._ring.detach(index)
+        self._wake.signal()
 
     def _all_attached(self) -> bool:
         self._check_readers()
