@@ -242,7 +242,6 @@ class Broker:
             "ok": True,
             "notifier": self.writer_wake.kind,
             "serializer": self.serializer,
-            "writer_pid": os.getpid(),
         }
         fds = [self.segment_fd, self.writer_wake.write_fd, self.reader_wake[index].read_fd]
         try:
@@ -316,7 +315,9 @@ def request(name: str, index: int, timeout: float | None) -> Attachment:
             ) from None
         try:
             sock.send(json.dumps({"reader": index, "pid": os.getpid()}).encode())
-            msg, fds, _flags, _addr = socket.recv_fds(sock, 4096, 4)
+            msg, fds, _flags, _addr = socket.recv_fds(sock, 4096, 4, socket.MSG_CMSG_CLOEXEC)
+            for fd in fds:  # some kernels ignore MSG_CMSG_CLOEXEC: make sure
+                os.set_inheritable(fd, False)
         except TimeoutError:
             raise TimeoutError(
                 f"the writer of ring {name!r} did not answer within {timeout} s"
@@ -345,6 +346,10 @@ def request(name: str, index: int, timeout: float | None) -> Attachment:
                 os.close(fd)
             raise RuntimeError(f"writer of ring {name!r} sent {len(fds)} fds instead of 3")
         kind: NotifierKind = reply["notifier"]
+        # The writer's pid as this process's pid namespace sees it (not as it reported it).
+        writer_pid = _CRED.unpack(
+            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size)
+        )[0]
         seg_fd, wfd, rfd = fds
         sock.setblocking(False)
         return Attachment(
@@ -353,7 +358,7 @@ def request(name: str, index: int, timeout: float | None) -> Attachment:
             writer_wake=Notifier(kind, -1 if kind == "pipe" else wfd, wfd),
             reader_wake=Notifier(kind, rfd, -1 if kind == "pipe" else rfd),
             serializer=reply["serializer"],
-            writer_pid=reply["writer_pid"],
+            writer_pid=writer_pid,
         )
     except BaseException:
         sock.close()

@@ -222,6 +222,7 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
             raise Empty("tasks are already waiting to receive from this reader")
         obj = self._poll()
         if obj is _EMPTY:
+            self._writer_gone()
             raise Empty(f"no message waiting for reader {self._index} of ring {self._name!r}")
         return obj  # type: ignore[no-any-return]
 
@@ -252,6 +253,8 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
     def get_sync(self, timeout: float | None = None) -> T:
         """Blocking get for code without an event loop; TimeoutError after ``timeout`` s."""
         self._check()
+        if self._lock.locked():
+            raise anyio.BusyResourceError("an async get is under way on this reader")
         deadline = deadline_of(timeout)
         while (obj := self._poll()) is _EMPTY:
             self._wait_sync(deadline)

@@ -160,7 +160,8 @@ class RingWriter:
         """Re-read the tails of the counted readers; returns (min tail, min count)."""
         w = self.w
         with self.gate.lock:
-            lo_pos, lo_count = self.pos, self.count
+            # From the published head, not the cursor: a reader attaching now starts there.
+            lo_pos, lo_count = self.head, self.head_count
             for i, state in enumerate(self.gate.states):
                 if state != DETACHED:
                     t = w[self.r_tail[i]]
@@ -267,8 +268,12 @@ class RingWriter:
                 self.wakeups += 1
 
     def close(self) -> None:
-        """Mark the stream ended after everything published, and wake every sleeper."""
-        self.publish()
+        """Mark the stream ended after what was published, and wake every sleeper.
+
+        Records written but not published belong to a put that is still waiting (an atomic
+        batch): they are dropped, as that put now fails.
+        """
+        self.rollback(self.head, self.head_count)
         self.w[self.layout.writer_word(L.W_CLOSED)] = 1
         fence()
         self._wake_readers()

@@ -77,8 +77,8 @@ class Segment:
         self._views.append(v)
         return v
 
-    def close(self) -> bool:
-        """Unmap; False if a caller still holds a view (then the GC unmaps it later)."""
+    def close(self) -> None:
+        """Unmap, or leave the unmapping to the GC while a caller still holds a view."""
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -90,8 +90,7 @@ class Segment:
         try:
             self._map.close()
         except BufferError:
-            return False
-        return True
+            pass  # a view is still alive somewhere: the mapping goes with it
 
 
 def _available_memory() -> int | None:

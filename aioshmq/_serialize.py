@@ -22,7 +22,6 @@ class Serializer:
     """Base of the serializers a ring uses; ``name`` travels to readers at attach."""
 
     name = "custom"
-    out_of_band = False
 
     def dumps(self, obj: Any) -> tuple[Buffer, list[memoryview]]:
         raise NotImplementedError
@@ -49,7 +48,6 @@ class _BufferSink:
 
 class PickleSerializer(Serializer):
     name = "pickle"
-    out_of_band = True
 
     def __init__(self) -> None:
         self._dumps = pickle.dumps

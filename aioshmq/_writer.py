@@ -104,7 +104,6 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         name: str,
         on_reader_death: OnReaderDeath,
     ) -> None:
-        self._release_list: list[Any] = []
         super().__init__()
         self._closed = True  # until everything below exists
         self._layout = layout
@@ -297,11 +296,16 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         steps = self._steps([frame], atomic=True)
         for _ in steps:
             steps.close()
+            self._check_readers()
             raise Full(f"ring {self._name!r} has no room for a message of {frame.length} bytes")
 
     def put_sync(self, obj: T, timeout: float | None = None) -> None:
         """Blocking put for code without an event loop; TimeoutError after ``timeout`` s."""
         self._check()
+        if self._lock.locked():
+            raise anyio.BusyResourceError(
+                "an async put or wait_readers is under way on this writer"
+            )
         frame = self._frame(obj)
         deadline = deadline_of(timeout)
         steps = self._steps([frame], self._atomic([frame]))
@@ -341,9 +345,8 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         if isinstance(index, bool) or not isinstance(index, int):
             raise TypeError(f"index must be an int, not {type(index).__name__}")
         if not 0 <= index < self._layout.readers:
-            raise ValueError(
-                f"index={index} is out of range: this ring has readers 0..{self._layout.readers - 1}"
-            )
+            last = self._layout.readers - 1
+            raise ValueError(f"index={index} is out of range: this ring has readers 0..{last}")
         if self._gate.states[index] == ATTACHED:
             raise anyio.BusyResourceError(f"reader slot {index} is held by a live reader")
         self._ring.detach(index)

@@ -123,6 +123,12 @@ def test_name_of_closed_writer() -> None:
         aioshmq.connect(handle)
 
 
+def test_received_fds_do_not_leak_into_exec() -> None:
+    with aioshmq.create(capacity=1 << 16, notifier="pipe") as w, aioshmq.connect(w.name) as r:
+        fds = [*r._wake.fds(), *r._writer_wake.fds(), r._sock.fileno(), r._wait_fd]
+        assert not any(os.get_inheritable(fd) for fd in fds)
+
+
 def test_handle_pickles() -> None:
     import pickle
 
@@ -252,6 +258,8 @@ async def test_dead_reader_fails_a_waiting_put(
         assert w.statistics().messages_in_ring == 4
         with pytest.raises(aioshmq.PeerDied):
             w.put_sync(5, timeout=5)
+        with pytest.raises(aioshmq.PeerDied):
+            w.put_nowait(5)
         # The writer can give up on that reader and go on.
         w.drop_reader(0)
         with anyio.fail_after(5):
@@ -342,6 +350,10 @@ async def test_dead_writer(anyio_backend: object, children: Children) -> None:
                 except aioshmq.PeerDied as exc:
                     times["error"] = time.monotonic()
                     caught.append(exc)
+        with pytest.raises(aioshmq.PeerDied):
+            r.get_nowait()
+        with pytest.raises(aioshmq.PeerDied):
+            r.get_sync(timeout=5)
     assert times["error"] - times["died"] < 1.0
     assert got == list(range(10))
     (exc,) = caught

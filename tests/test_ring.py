@@ -195,3 +195,59 @@ async def test_reader_joining_mid_message_skips_it() -> None:
             assert got == [b"y" * 10000]
             assert late_got == [b"after"]
             assert await r0.get() == b"after"
+
+
+def test_reader_attaching_during_an_unpublished_batch_is_not_overrun() -> None:
+    """The writer's room is counted from the published head, where a new reader starts,
+    even while records written after it wait to be published."""
+    from aioshmq._ring import DETACHED, Frame
+
+    with aioshmq.create(capacity=4096, readers=1, serializer="raw") as w:
+        ring, gate = w._ring, w._gate
+        gate.states[0] = DETACHED  # nobody is waited for
+        frame = Frame(b"x" * 100, [])  # 128 bytes a record
+        for _ in range(20):
+            assert ring.try_write(frame)
+        ring.publish()
+        head = ring.head
+        for _ in range(10):  # written, not published (a batch in progress)
+            assert ring.try_write(frame)
+        ring.attach(0)  # what the broker does for a reader attaching now: it starts at head
+        while ring.try_write(frame):
+            pass
+        assert ring.pos - head <= 4096, "the new reader's unread records were overwritten"
+
+
+async def test_closing_during_an_atomic_batch_publishes_none_of_it() -> None:
+    w = aioshmq.create(capacity=1 << 16, max_messages=4)
+    with aioshmq.connect(w.name) as r:
+        await w.put_many(["old1", "old2"])
+        async with anyio.create_task_group() as tg:
+
+            async def batch() -> None:
+                with pytest.raises(anyio.ClosedResourceError):
+                    await w.put_many(["A", "B", "C"])  # A and B fit now, C must wait
+
+            tg.start_soon(batch)
+            await anyio.wait_all_tasks_blocked()
+            await w.aclose()
+        assert [msg async for msg in r] == ["old1", "old2"]
+
+
+async def test_sync_calls_refuse_to_interleave_with_a_waiting_async_call() -> None:
+    with aioshmq.create(capacity=1 << 16, max_messages=1) as w, aioshmq.connect(w.name) as r:
+        await w.put(0)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(w.put_many, [1, 2])
+            await anyio.wait_all_tasks_blocked()
+            with pytest.raises(anyio.BusyResourceError):
+                w.put_sync(99, timeout=1)
+            assert r.get_nowait() == 0
+            with anyio.fail_after(5):
+                assert [await r.get(), await r.get()] == [1, 2]
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(r.get)
+            await anyio.wait_all_tasks_blocked()
+            with pytest.raises(anyio.BusyResourceError):
+                r.get_sync(timeout=1)
+            await w.put(3)
