@@ -65,7 +65,7 @@ def connect(
         return Reader(name, reader, att, ser)
     except BaseException:
         att.sock.close()
-        for fd in {att.segment_fd, *att.writer_wake.fds(), *att.reader_wake.fds()}:
+        for fd in {att.segment_fd, *att.writer_wake.fds(), *att.reader_wake.fds()} - {-1}:
             os.close(fd)
         raise
 

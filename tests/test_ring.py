@@ -251,3 +251,76 @@ async def test_sync_calls_refuse_to_interleave_with_a_waiting_async_call() -> No
             with pytest.raises(anyio.BusyResourceError):
                 r.get_sync(timeout=1)
             await w.put(3)
+
+
+# -- corrupted shared memory ----------------------------------------------------------------
+
+
+def _scribble(w: aioshmq.Writer[bytes], word: int, value: int) -> None:
+    """Overwrite u64 word ``word`` of the data area, as a stray write would."""
+    w._seg.data[word * 8 : word * 8 + 8] = value.to_bytes(8, "little")
+
+
+@pytest.mark.parametrize(
+    ("word", "value", "match"),
+    [
+        (0, (100 << 8) | 0x0E, "unknown record kind 14"),
+        (0, (1 << 40 << 8) | L.MSG, "past the end of the ring"),
+        (0, (3000 << 8) | L.MSG, "past the head"),
+        (0, (100 << 8) | L.PAD, "padding at position 0 of 100 bytes stops short"),
+        (0, (64 << 8) | L.MSG | L.OOB, "buffer table claims"),
+        (1, 1 << 60, "fragmented message at 0 claims"),
+    ],
+)
+def test_scribbled_record(word: int, value: int, match: str) -> None:
+    with aioshmq.create(capacity=4096, serializer="raw") as w, aioshmq.connect(w.name) as r:
+        if match.startswith("fragmented"):
+            w.put_nowait(b"f" * 3000)  # fragments: the first one's aux word is the total
+        else:
+            w.put_nowait(b"m" * 100)
+            if "buffer table" in match:
+                w._seg.data[16:24] = (1 << 50).to_bytes(8, "little")
+        _scribble(w, word, value)
+        with pytest.raises(aioshmq.CorruptedError, match=match):
+            r.get_nowait()
+        for _ in range(3):  # still a clear error: no crash, no endless loop, no wild read
+            with pytest.raises(aioshmq.CorruptedError):
+                r.get_nowait()
+
+
+def test_scribbled_buffer_lengths() -> None:
+    with aioshmq.create(capacity=1 << 16) as w, aioshmq.connect(w.name) as r:
+        w.put_nowait(np.arange(100))
+        # Table: n, main length, buffer length; make the buffer overrun the message.
+        w._seg.data[32:40] = (1 << 20).to_bytes(8, "little")
+        with pytest.raises(aioshmq.CorruptedError, match="overruns"):
+            r.get_nowait()
+        w.put_nowait("next")
+        assert r.get_nowait() == "next"  # the bad message was skipped, the ring goes on
+
+
+def test_scribbled_head_and_tail() -> None:
+    with aioshmq.create(capacity=4096, serializer="raw") as w, aioshmq.connect(w.name) as r:
+        w.put_nowait(b"a")
+        assert r.get_nowait() == b"a"
+        words = w._seg.words
+        head = w._layout.writer_word(L.W_HEAD)
+        words[head] = 0  # the head moved backwards
+        with pytest.raises(aioshmq.CorruptedError, match="behind reader 0's tail"):
+            r.get_nowait()
+        words[head] = 32
+        tail = w._layout.reader_word(0, L.R_TAIL)
+        words[tail] = 1 << 40  # a reader claims to have read what was never written
+        with pytest.raises(aioshmq.CorruptedError, match="reader 0 claims position"):
+            for _ in range(200):
+                w.put_nowait(b"x" * 100)
+
+
+def test_scribbled_header_refuses_attach() -> None:
+    with aioshmq.create(capacity=4096) as w:
+        w._seg.buf[0:8] = b"NOTARING"
+        with pytest.raises(aioshmq.CorruptedError, match="bad magic"):
+            aioshmq.connect(w.name)
+        w._seg.buf[0:8] = L.MAGIC.to_bytes(8, "little")
+        with aioshmq.connect(w.name):
+            pass
