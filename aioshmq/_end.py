@@ -98,8 +98,8 @@ class End:
         """A checkpoint at most every YIELD_INTERVAL, so a never-waiting loop stays fair."""
         now = time.monotonic()
         if now >= self._next_yield:
+            await checkpoint()  # outside an event loop this raises anyio's NoEventLoopError
             self._next_yield = now + YIELD_INTERVAL
-            await checkpoint()
 
     async def _sleep(self) -> None:
         self._waiting += 1
