@@ -96,3 +96,76 @@ async def _stress(backend: str, notifier: str, children: Children) -> None:
         assert stats.messages_put == MESSAGES
     codes = await anyio.to_thread.run_sync(children.join, 120)
     assert codes == [0] * READERS
+
+
+# -- cancellation storms ---------------------------------------------------------------------
+
+STORM = 50_000
+TIMEOUTS = (0.0, 0.00002, 0.0001, 0.0005, 0.002, None)
+
+
+def _storm_reader(handle: aioshmq.Handle, index: int, backend: str) -> None:
+    async def main() -> None:
+        rng = random.Random(1000 + index)
+        expected = 0
+        cancelled = 0
+        async with aioshmq.connect(handle, reader=index) as r:
+            while expected < STORM:
+                timeout = rng.choice(TIMEOUTS)
+                got: list[int] = []
+                with anyio.move_on_after(timeout if timeout is not None else 60) as scope:
+                    if rng.random() < 0.5:
+                        got = [await r.get()]
+                    else:
+                        got = await r.get_many(max_messages=rng.randint(1, 20))
+                if scope.cancelled_caught:
+                    cancelled += 1
+                    if got:
+                        raise SystemExit(f"reader {index}: a cancelled get returned {got}")
+                for msg in got:
+                    if msg != expected:
+                        raise SystemExit(f"reader {index}: got {msg}, expected {expected}")
+                    expected += 1
+            with anyio.fail_after(30):
+                try:
+                    extra = await r.get()
+                except anyio.EndOfStream:
+                    pass
+                else:
+                    raise SystemExit(f"reader {index}: got {extra} after the last message")
+        if cancelled < 1000:
+            raise SystemExit(f"reader {index}: only {cancelled} gets were cancelled")
+
+    run_backend(backend, main)
+
+
+async def test_cancellation_storm(anyio_backend: object, children: Children) -> None:
+    """Writer and readers in three processes, their puts and gets cancelled at random points
+    by tiny timeouts: each reader still gets exactly the sequence put, once each."""
+    backend = backend_name(anyio_backend)
+    rng = random.Random(SEED)
+    cancelled = 0
+    async with aioshmq.create(capacity=4096, max_messages=8, readers=2) as w:
+        for i in range(2):
+            await anyio.to_thread.run_sync(
+                children.start, "spawn", _storm_reader, w.handle, i, backend
+            )
+        with anyio.fail_after(60):
+            await w.wait_readers()
+        sent = 0
+        with anyio.fail_after(600):
+            while sent < STORM:
+                batch = list(range(sent, min(sent + rng.randint(1, 8), STORM)))
+                timeout = rng.choice(TIMEOUTS)
+                with anyio.move_on_after(timeout if timeout is not None else 60) as scope:
+                    if len(batch) == 1:
+                        await w.put(batch[0])
+                    else:
+                        await w.put_many(batch)  # small enough to be all or nothing
+                if scope.cancelled_caught:
+                    cancelled += 1  # nothing was published: send the same again
+                else:
+                    sent += len(batch)
+        assert w.statistics().messages_put == STORM
+        assert cancelled > 1000
+    assert await anyio.to_thread.run_sync(children.join, 120) == [0, 0]
