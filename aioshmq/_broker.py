@@ -170,6 +170,7 @@ class Broker:
             data = b""
         if data == BYE:
             conn.bye = True
+            self._gone(sel, conn)  # acknowledged there: the slot is free when close() returns
         elif data and conn.index is None:
             self._attach(sel, conn, data)
         else:  # end of file, or garbage from an attached reader: it is gone
@@ -191,17 +192,22 @@ class Broker:
         if conn.pidfd >= 0:
             sel.unregister(conn.pidfd)
         self._conns.discard(conn)
-        conn.close()
         index = conn.index
-        if index is None:
-            return
-        if conn.bye or self.detach_dead:
-            self.ring.detach(index)
-        else:
-            self._dead_pids[index] = conn.pid
-            self.ring.detach(index, DEAD)
-        self.departures.append(Departure(index, conn.pid, conn.bye))
-        self.on_change()
+        if index is not None:
+            if conn.bye or self.detach_dead:
+                self.ring.detach(index)
+            else:
+                self._dead_pids[index] = conn.pid
+                self.ring.detach(index, DEAD)
+            self.departures.append(Departure(index, conn.pid, conn.bye))
+        if conn.bye:
+            try:
+                conn.sock.send(BYE)
+            except OSError:
+                pass
+        conn.close()
+        if index is not None:
+            self.on_change()
 
     def _attach(self, sel: selectors.BaseSelector, conn: _Conn, data: bytes) -> None:
         try:

@@ -23,6 +23,7 @@ from ._writer import Handle
 T = TypeVar("T")
 
 _EMPTY: Any = object()
+BYE_TIMEOUT = 1.0
 
 
 class ReaderStatistics(NamedTuple):
@@ -277,12 +278,22 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
 
     # -- closing ---------------------------------------------------------------------------
 
+    def _say_bye(self) -> None:
+        """Give the slot up and wait (briefly) for the writer to have taken it back.
+
+        Once ``close()`` returns, the writer no longer waits for this reader.  A writer that
+        is gone answers with end-of-file at once; one that is frozen gets BYE_TIMEOUT.
+        """
+        try:
+            self._sock.send(BYE)
+            if select.select([self._sock], [], [], BYE_TIMEOUT)[0]:
+                self._sock.recv(16)
+        except OSError:
+            pass
+
     def _release(self, *, clean: bool) -> None:
         if clean:
-            try:
-                self._sock.send(BYE)
-            except OSError:
-                pass
+            self._say_bye()
         self._sock.close()
         if self._epoll is not None:
             self._epoll.close()
