@@ -1,0 +1,147 @@
+# ruff: noqa: E501 - one mutation a line reads best
+"""Mutation checks: remove a guaranteed behaviour, run the test meant to catch it, expect
+a failure.  Each row: name, file, the code removed, what replaces it, the test.
+
+    python tools/mutations.py [NAME-FRAGMENT ...]
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+SRC = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORK = os.path.join(tempfile.gettempdir(), "aioshmq-mutations")
+M = [
+    (
+        "dead reader -> PeerDied",
+        "aioshmq/_broker.py",
+        "            if conn.bye or self.detach_dead:",
+        "            if True:",
+        "tests/test_broker.py::test_dead_reader_fails_a_waiting_put",
+    ),
+    (
+        "detach mode",
+        "aioshmq/_broker.py",
+        "            if conn.bye or self.detach_dead:",
+        "            if conn.bye:",
+        "tests/test_broker.py::test_dead_reader_detached",
+    ),
+    (
+        "pidfd watch",
+        "aioshmq/_broker.py",
+        "        conn.pidfd = pidfd_of(conn.pid)",
+        "        conn.pidfd = -1",
+        "tests/test_broker.py::test_dead_reader_fails_a_waiting_put",
+    ),
+    (
+        "dead writer",
+        "aioshmq/_reader.py",
+        "            if not ring.available():\n                self._writer_gone()\n\n    def _wait_sync",
+        "            pass\n\n    def _wait_sync",
+        "tests/test_broker.py::test_dead_writer",
+    ),
+    (
+        "no lost wake-up (reader re-check)",
+        "aioshmq/_ring.py",
+        "        if self.available() or w[self.w_closed]:\n            w[self.r_sleep] = 0\n            return False\n        return True",
+        "        return True",
+        "tests/test_notify.py::test_no_wake_up_is_lost",
+    ),
+    (
+        "corruption bounds",
+        "aioshmq/_ring.py",
+        "            if end > cap or self.tail + end - off > self.head:",
+        "            if False:",
+        "tests/test_ring.py::test_scribbled_record",
+    ),
+    (
+        "cancellation rollback",
+        "aioshmq/_writer.py",
+        "            if atomic:\n                ring.rollback(*start)",
+        "            if False:\n                ring.rollback(*start)",
+        "tests/test_stress.py::test_cancellation_storm",
+    ),
+    (
+        "model: reader count",
+        "aioshmq/_ring.py",
+        "        if size:\n            self.tail += size\n            self.count += 1",
+        "        if size:\n            self.tail += size",
+        "tests/test_model.py::test_model[asyncio]",
+    ),
+    (
+        "leak: wake-up fds",
+        "aioshmq/_reader.py",
+        "        for fd in {*self._wake.fds(), *self._writer_wake.fds()}:\n            os.close(fd)",
+        "        pass",
+        "tests/test_end.py::test_no_leaks_over_1000_cycles",
+    ),
+    (
+        "ResourceWarning",
+        "aioshmq/_end.py",
+        '            _warn(f"unclosed {self!r}", ResourceWarning, source=self)',
+        "            pass",
+        "tests/test_end.py::test_garbage_collected_ends_warn_and_release",
+    ),
+    (
+        "bad input: capacity",
+        "aioshmq/_writer.py",
+        '    capacity = _positive_int("capacity", capacity, L.MIN_CAPACITY)',
+        "    pass",
+        "tests/test_writer.py::test_bad_arguments",
+    ),
+    (
+        "interrupt: sleep flag",
+        "aioshmq/_reader.py",
+        "            finally:\n                ring.end_sleep()\n                self._wake.drain()\n            if not ring.available():\n                self._writer_gone()",
+        "            finally:\n                self._wake.drain()\n            if not ring.available():\n                self._writer_gone()",
+        "tests/test_end.py::test_keyboard_interrupt_in_get_sync",
+    ),
+    (
+        "SIGKILL leaves nothing (memfd -> /dev/shm)",
+        "aioshmq/_segment.py",
+        '        fd = os.memfd_create(f"aioshmq:{name}", os.MFD_CLOEXEC)',
+        '        fd = os.open(f"/dev/shm/aioshmq-{name}", os.O_RDWR | os.O_CREAT, 0o600)',
+        "tests/test_segment.py::test_nothing_survives_sigkill_of_every_process",
+    ),
+]
+only = sys.argv[1:]
+for name, path, old, new, test in M:
+    if only and not any(o in name for o in only):
+        continue
+    shutil.rmtree(WORK, ignore_errors=True)
+    shutil.copytree(
+        SRC, WORK, ignore=shutil.ignore_patterns(".git", "*.egg-info", "__pycache__", ".hypothesis")
+    )
+    p = os.path.join(WORK, path)
+    with open(p) as f:
+        s = f.read()
+    if s.count(old) != 1:
+        print(f"{name}: PATTERN NOT FOUND ({s.count(old)})", flush=True)
+        continue
+    with open(p, "w") as f:
+        f.write(s.replace(old, new))
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-x",
+            "-p",
+            "no:cacheprovider",
+            "--timeout",
+            "60",
+            test,
+        ],
+        cwd=WORK,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": WORK},
+    )
+    last = (r.stdout.strip().splitlines() or ["?"])[-1]
+    print(
+        f"{name}: {'CAUGHT' if r.returncode != 0 else 'MISSED'} -- {path}: {old.strip().splitlines()[0]!r} -> {new.strip().splitlines()[0]!r} -- {test} -- {last}",
+        flush=True,
+    )
