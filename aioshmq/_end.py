@@ -39,7 +39,7 @@ class End:
     def __init__(self) -> None:
         self._closed = False
         self._pid = os.getpid()
-        self._lock = anyio.Lock()
+        self._lock = anyio.Lock(fast_acquire=True)
         self._waiting = 0
         self._next_yield = 0.0
         self._wait_fd = -1

@@ -53,6 +53,7 @@ FIRST = 3  # first fragment of a message larger than one record
 MIDDLE = 4
 LAST = 5
 OOB = 0x10  # flag on MSG and FIRST: the frame starts with a buffer table
+BATCH = 0x20  # flag on MSG: the payload is one serialized list of aux messages
 KIND_MASK = 0x0F
 
 

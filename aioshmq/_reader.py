@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import select
 import socket
@@ -13,7 +14,7 @@ from anyio.abc import ObjectReceiveStream
 from . import _layout as L
 from ._broker import BYE, check_name, pidfd_of, request
 from ._end import End, deadline_of
-from ._errors import Empty, PeerDied
+from ._errors import CorruptedError, Empty, PeerDied
 from ._layout import Layout
 from ._ring import RingReader, decode
 from ._segment import Segment
@@ -89,6 +90,7 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         self._messages = 0
         self._bytes = 0
         self._deferred: BaseException | None = None
+        self._pending: collections.deque[Any] = collections.deque()  # the rest of a batch
         self._seg = Segment.attach(att.segment_fd)
         att.segment_fd = -1
         self._pidfd = -1
@@ -132,6 +134,9 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
 
     def _poll(self, publish: bool = True) -> Any:
         """The next message, or _EMPTY; EndOfStream once the writer closed and all was read."""
+        if self._pending:
+            self._messages += 1
+            return self._pending.popleft()
         if self._deferred is not None:
             exc, self._deferred = self._deferred, None
             raise exc
@@ -150,11 +155,17 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
                 buffers = [bytearray(b) for b in buffers]  # type: ignore[misc]
             obj = self._ser.loads(main, buffers)
         finally:
+            count = ring.messages
             ring.consume(size)
             if publish:
                 ring.publish()
         self._messages += 1
         self._bytes += len(payload)
+        if kind & L.BATCH:  # a pickled list of messages: hand them out one by one
+            if type(obj) is not list or len(obj) != count:
+                raise CorruptedError(f"a batch of {count} messages did not load as such a list")
+            self._pending.extend(obj)
+            obj = self._pending.popleft()
         return obj
 
     def _writer_gone(self) -> None:
@@ -268,7 +279,7 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         head_count = self._seg.words[self._layout.writer_word(L.W_HEAD_COUNT)]
         return ReaderStatistics(
             reader=self._index,
-            messages_available=max(head_count - ring.count, 0),
+            messages_available=max(head_count - ring.count, 0) + len(self._pending),
             bytes_available=ring.head - ring.tail,
             messages_received=self._messages,
             bytes_received=self._bytes,

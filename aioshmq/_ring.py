@@ -48,11 +48,15 @@ class Frame:
     16-byte-aligned offset.
     """
 
-    __slots__ = ("kind", "length", "parts")
+    __slots__ = ("aux", "count", "kind", "length", "parts")
 
-    def __init__(self, main: Buffer, buffers: Sequence[memoryview]) -> None:
+    def __init__(self, main: Buffer, buffers: Sequence[memoryview], count: int = 1) -> None:
+        # A batch (count > 1) is one serialized list of ``count`` messages.
+        self.count = count
+        self.aux = count if count > 1 else 0
+        batch = L.BATCH if count > 1 else 0
         if not buffers:
-            self.kind = L.MSG
+            self.kind = L.MSG | batch
             self.length = len(main) if not isinstance(main, memoryview) else main.nbytes
             self.parts: list[tuple[int, Buffer]] = [(0, main)]
             return
@@ -67,7 +71,7 @@ class Frame:
             offset = L.align(offset, L.RECORD_ALIGN)
             parts.append((offset, b))
             offset += b.nbytes
-        self.kind = L.MSG | L.OOB
+        self.kind = L.MSG | L.OOB | batch
         self.length = offset
         self.parts = parts
 
@@ -153,6 +157,7 @@ class RingWriter:
         self.wakeups = 0
         self.episode = _episode()
         self.need = (0, 0)  # (bytes, messages) the last failed write was waiting for
+        self.max_record = layout.max_record
 
     # -- space -------------------------------------------------------------------------
 
@@ -201,20 +206,48 @@ class RingWriter:
         """Write a whole-record message unpublished, if there is room for it now."""
         size = _record_size(frame.length)
         span = self._span(size)
-        if not self._room(span, 1):
-            self.need = (span, 1)
+        if not self._room(span, frame.count):
+            self.need = (span, frame.count)
             return False
         off = self._place(size)
         i = off >> 3
         self.q[i] = (frame.length << 8) | frame.kind
-        self.q[i + 1] = 0
+        self.q[i + 1] = frame.aux
         start = off + L.HEADER_SIZE
         if len(frame.parts) == 1:
             self.data[start : start + frame.length] = frame.parts[0][1]
         else:
             frame.copy_into(self.data[start : start + frame.length])
         self.pos += size
-        self.count += 1
+        self.count += frame.count
+        return True
+
+    def put_plain(self, main: Buffer, kind: int = L.MSG, count: int = 1) -> bool:
+        """Write and publish one record without buffers if there is room now: the hot path."""
+        n = len(main)
+        size = 16 + ((n + 15) & -16)
+        if size > self.max_record:
+            return False
+        pos = self.pos
+        off = pos % self.cap
+        span = self.cap - off + size if off + size > self.cap else size
+        if (pos + span > self.limit_pos or self.count + count > self.limit_count) and not (
+            self._room(span, count)
+        ):
+            self.need = (span, count)
+            return False
+        if span != size:
+            off = self._place(size)
+            pos = self.pos
+        i = off >> 3
+        q = self.q
+        q[i] = (n << 8) | kind
+        q[i + 1] = count if count > 1 else 0
+        start = off + 16
+        self.data[start : start + n] = main
+        self.pos = pos + size
+        self.count += count
+        self.publish()
         return True
 
     def try_write_fragment(self, frame: Frame, done: int) -> int:
@@ -241,7 +274,7 @@ class RingWriter:
         return done + chunk
 
     def fits_whole(self, frame: Frame) -> bool:
-        return _record_size(frame.length) <= self.layout.max_record
+        return _record_size(frame.length) <= self.max_record
 
     def rollback(self, pos: int, count: int) -> None:
         """Forget records written since (pos, count) but not published."""
@@ -365,6 +398,7 @@ class RingReader:
         self.shown_tail, self.shown_count = self.tail, self.count
         self.episode = _episode()
         self.wakeups = 0
+        self.messages = 1  # how many messages the record next() returned holds
         self.partial: bytearray | None = None  # a fragmented message being reassembled
         self.partial_kind = 0
         self.partial_len = 0
@@ -411,6 +445,16 @@ class RingReader:
             if base == L.MSG:
                 if self.partial is not None or self.skipping:
                     self.partial, self.skipping = None, False  # the writer gave that one up
+                if kind & L.BATCH:
+                    n = q[(off >> 3) + 1]
+                    if not 2 <= n <= self.layout.max_messages:
+                        raise CorruptedError(
+                            f"batch at position {self.tail} claims {n} messages "
+                            f"(max_messages={self.layout.max_messages})"
+                        )
+                    self.messages = n
+                else:
+                    self.messages = 1
                 return self.data[off + L.HEADER_SIZE : end], kind, _record_size(length)
             if base == L.PAD:
                 if end != cap:
@@ -461,7 +505,7 @@ class RingReader:
         """Step past the message ``next()`` returned (``size`` is its third item)."""
         if size:
             self.tail += size
-            self.count += 1
+            self.count += self.messages
 
     def publish(self) -> None:
         """Store the tail; wake the writer if this step crossed the point it sleeps for.

@@ -57,6 +57,10 @@ class PickleSerializer(Serializer):
         main = self._dumps(obj, protocol=5, buffer_callback=sink)
         return main, sink.buffers
 
+    def dumps_many(self, objs: list[Any]) -> tuple[Buffer, list[memoryview]]:
+        """A whole batch as one pickled list: far cheaper per object than one each."""
+        return self.dumps(objs)
+
     def loads(self, main: memoryview, buffers: Sequence[Buffer]) -> Any:
         return pickle.loads(main, buffers=buffers)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import time
 from collections.abc import Generator, Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, NamedTuple, TypeVar
@@ -187,7 +188,7 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
                                 ring.publish()
                             yield
                         done = progress
-                sent += 1
+                sent += frame.count
                 nbytes += frame.length
         except GeneratorExit:
             if atomic:
@@ -246,28 +247,28 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
                 self._wake.drain()
 
     async def _run(self, frames: list[Frame]) -> None:
-        steps = self._steps(frames, self._atomic(frames))
-        try:
-            pending = False
-            if not self._lock.locked():  # nobody queued ahead: try without waiting
-                if next(steps, _DONE) is _DONE:
-                    return
-                pending = True
-            async with self._lock:
-                if pending:
-                    await self._wait_room()
+        """Write ``frames`` in turn with the other waiting puts, waiting for room."""
+        async with self._lock:
+            steps = self._steps(frames, self._atomic(frames))
+            try:
                 for _ in steps:
                     await self._wait_room()
-        finally:
-            steps.close()
+            finally:
+                steps.close()
 
     async def put(self, obj: T) -> None:
         """Send ``obj`` to every reader; waits while the ring is full for the slowest one."""
-        self._check()
-        frame = self._frame(obj)
-        await self._pace()
-        self._check()
-        await self._run([frame])
+        if self._closed:
+            self._check()
+        main, buffers = self._ser.dumps(obj)
+        if time.monotonic() >= self._next_yield:
+            await self._pace()
+            self._check()
+        if not buffers and not self._lock.locked() and self._ring.put_plain(main):
+            self._messages += 1
+            self._bytes += len(main)
+            return
+        await self._run([Frame(main, buffers)])
 
     async def send(self, item: T) -> None:
         """Same as ``put`` (the anyio stream interface)."""
@@ -278,14 +279,34 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
 
         Every object is serialized before anything is written.  A batch of up to half the
         ring's bytes (and ``max_messages``) is published whole or, if cancelled, not at all;
-        a bigger one goes out in parts as room frees up.
+        a bigger one goes out in parts as room frees up.  With a pickle serializer a batch
+        that fits is written as one record holding the pickled list, which readers unpack
+        into its messages: several times cheaper per message on both sides.
         """
         self._check()
-        frames = [self._frame(obj) for obj in objs]
+        frames = self._batch(list(objs))
         await self._pace()
         self._check()
+        if len(frames) == 1 and not frames[0].parts[0][0] and frames[0].kind & ~L.BATCH == L.MSG:
+            frame = frames[0]
+            if not self._lock.locked() and self._ring.put_plain(
+                frame.parts[0][1], frame.kind, frame.count
+            ):
+                self._messages += frame.count
+                self._bytes += frame.length
+                return
         if frames:
             await self._run(frames)
+
+    def _batch(self, objs: list[T]) -> list[Frame]:
+        """One frame holding the whole list where the serializer and the bounds allow."""
+        dumps_many = getattr(self._ser, "dumps_many", None)
+        if dumps_many is not None and 2 <= len(objs) <= self._layout.max_messages:
+            main, buffers = dumps_many(objs)
+            frame = Frame(main, buffers, count=len(objs))
+            if self._atomic([frame]):
+                return [frame]
+        return [self._frame(obj) for obj in objs]
 
     def put_nowait(self, obj: T) -> None:
         """Send ``obj`` now, or raise Full (nothing written) if the ring has no room."""

@@ -122,7 +122,8 @@ def _explode() -> None:
 
 async def test_a_message_that_fails_to_load_is_reported_and_skipped() -> None:
     with aioshmq.create(capacity=1 << 16) as w, aioshmq.connect(w.name) as r:
-        await w.put_many([1, _BadLoads(), 3])
+        for obj in (1, _BadLoads(), 3):
+            await w.put(obj)
         assert await r.get() == 1
         with pytest.raises(RuntimeError, match="cannot rebuild"):
             await r.get()
@@ -131,8 +132,38 @@ async def test_a_message_that_fails_to_load_is_reported_and_skipped() -> None:
 
 async def test_get_many_keeps_what_it_read_before_a_bad_message() -> None:
     with aioshmq.create(capacity=1 << 16) as w, aioshmq.connect(w.name) as r:
-        await w.put_many([1, 2, _BadLoads(), 4])
+        for obj in (1, 2, _BadLoads(), 4):
+            await w.put(obj)
         assert await r.get_many() == [1, 2]
         with pytest.raises(RuntimeError, match="cannot rebuild"):
             await r.get_many()
         assert await r.get_many() == [4]
+
+
+async def test_put_many_is_one_pickle() -> None:
+    """A batch travels as one pickled list: one record, unpacked into its messages."""
+    with aioshmq.create(capacity=1 << 16, max_messages=10) as w, aioshmq.connect(w.name) as r:
+        await w.put_many([{"n": i} for i in range(10)])  # ten messages: max_messages reached
+        s = w.statistics()
+        assert (s.messages_put, s.messages_in_ring) == (10, 10)
+        with pytest.raises(aioshmq.Full):
+            w.put_nowait("no room by count")
+        assert r.get_nowait() == {"n": 0}
+        rs = r.statistics()
+        assert (rs.messages_available, rs.messages_received) == (9, 1)
+        assert w.statistics().messages_in_ring == 0  # the record was read whole
+        assert await r.get_many(max_messages=4) == [{"n": i} for i in range(1, 5)]
+        assert [r.get_sync(timeout=1) for _ in range(5)] == [{"n": i} for i in range(5, 10)]
+        with pytest.raises(aioshmq.Empty):
+            r.get_nowait()
+
+
+async def test_a_batch_that_fails_to_load_is_reported_once() -> None:
+    """One message of a batch that cannot be rebuilt fails the batch: the error is raised
+    once, and the stream goes on with the next put."""
+    with aioshmq.create(capacity=1 << 16) as w, aioshmq.connect(w.name) as r:
+        await w.put_many([1, _BadLoads(), 3])
+        await w.put("after")
+        with pytest.raises(RuntimeError, match="cannot rebuild"):
+            await r.get()
+        assert await r.get() == "after"
