@@ -82,8 +82,24 @@ def test_nothing_survives_sigkill_of_every_process() -> None:
                 for stream in (proc.stdin, proc.stdout):
                     if stream is not None:
                         stream.close()
+    assert not _holders(name), "a process still holds the ring's memory"
     assert _shmem_bytes() - before < RING * 0.1
     assert set(os.listdir("/dev/shm")) == shm_before
+
+
+def _holders(name: str) -> list[str]:
+    """Every fd or mapping of the ring's memfd in any process on this machine."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                if name in os.readlink(f"/proc/{pid}/fd/{fd}"):
+                    found.append(f"{pid} fd {fd}")
+            with open(f"/proc/{pid}/maps") as maps:
+                found += [f"{pid} maps" for line in maps if name in line]
+        except OSError:
+            continue
+    return found
 
 
 def test_no_dev_shm_files_ever() -> None:

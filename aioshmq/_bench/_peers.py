@@ -1,0 +1,437 @@
+"""The transports compared: aioshmq and its peers, each as a one-way channel with async ends.
+
+A channel is made in the parent and handed to child processes as a spawn argument; each
+process then opens the end it uses, inside its event loop.  Peers without an async API
+(multiprocessing.Queue, faster-fifo) block the loop in their calls: each end has its process
+to itself, so that takes the loop from nobody, and it is how those queues are fastest.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import secrets
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing import reduction
+from typing import Any, TypeVar
+
+import anyio
+
+import aioshmq
+
+from ._procs import CTX
+
+R = TypeVar("R")
+
+STOP: Any = None  # the last message of every stream: the receiver ends its loop on it
+SYNC_TIMEOUT = 30.0  # seconds a blocking put/get of a peer waits before giving up
+CONNECT_TIMEOUT = 10.0  # seconds a receiver waits for the sender's ring to exist
+
+
+class Sender:
+    """The sending end of a channel."""
+
+    async def wait_ready(self) -> None:
+        """Return once every receiver is attached, so that no message is sent into the void."""
+
+    async def send(self, obj: Any) -> None:
+        raise NotImplementedError
+
+    async def send_many(self, objs: list[Any]) -> None:
+        """Send a batch the way this transport batches (by default: the list as one message)."""
+        await self.send(objs)
+
+    def stats(self) -> dict[str, int]:
+        """Counters worth reporting (aioshmq's wake-ups), read before ``close``."""
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class Receiver:
+    """The receiving end of a channel."""
+
+    read = "get"  #: how messages are read: "get", or "lease" (zero-copy) where available
+
+    async def recv(self) -> Any:
+        raise NotImplementedError
+
+    async def recv_many(self, limit: int) -> list[Any]:
+        """At least one message; a list sent as one message is unpacked."""
+        obj = await self.recv()
+        return obj if isinstance(obj, list) else [obj]
+
+    async def recv_with(self, use: Callable[[Any], R]) -> R:
+        """Receive one message and return ``use(message)``; the message is valid during it."""
+        return use(await self.recv())
+
+    def stats(self) -> dict[str, int]:
+        """Counters worth reporting (aioshmq's wake-ups), read before ``close``."""
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class Channel:
+    """One direction of traffic, from one process to ``readers`` processes.
+
+    ``capacity`` (bytes) and ``depth`` (messages) bound what is in flight, where the
+    transport has such bounds; ``arrays`` says the messages are uint8 numpy arrays, for
+    transports that send raw buffers rather than pickles.
+    """
+
+    broadcast = False  #: whether several readers each get every message
+
+    def __init__(
+        self,
+        readers: int = 1,
+        *,
+        capacity: int = 16 << 20,
+        depth: int = 1 << 16,
+        arrays: bool = False,
+    ) -> None:
+        if readers != 1 and not self.broadcast:
+            raise ValueError(f"{type(self).__name__} has one reader, not {readers}")
+        self.readers = readers
+        self.capacity = capacity
+        self.depth = depth
+        self.arrays = arrays
+        self.owner = os.getpid()
+        self._make()
+
+    def _make(self) -> None:
+        """Create what the channel needs in the process that makes it (the parent)."""
+
+    def sender(self) -> Sender:
+        raise NotImplementedError
+
+    def receiver(self, index: int) -> Receiver:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what this process holds of the channel (each process calls it)."""
+
+
+# -- aioshmq ---------------------------------------------------------------------------------
+
+
+class _AioshmqSender(Sender):
+    def __init__(self, writer: aioshmq.Writer[Any]) -> None:
+        self._writer = writer
+
+    async def wait_ready(self) -> None:
+        await self._writer.wait_readers()
+
+    async def send(self, obj: Any) -> None:
+        await self._writer.put(obj)
+
+    async def send_many(self, objs: list[Any]) -> None:
+        await self._writer.put_many(objs)
+
+    def stats(self) -> dict[str, int]:
+        stats = self._writer.statistics()
+        return {"messages_put": stats.messages_put, "wakeups_sent": stats.wakeups_sent}
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class _AioshmqReceiver(Receiver):
+    def __init__(self, reader: aioshmq.Reader[Any], arrays: bool) -> None:
+        self._reader = reader
+        # LEASE: the zero-copy read plugs in here.  Once the library has ``reader.lease()``
+        # (an async context manager giving the message, valid inside the block), large
+        # payloads are read through it instead of ``get()``, which copies them out.
+        self._lease: Callable[[], Any] | None = getattr(reader, "lease", None) if arrays else None
+        self.read = "get" if self._lease is None else "lease"
+
+    async def recv(self) -> Any:
+        return await self._reader.get()
+
+    async def recv_many(self, limit: int) -> list[Any]:
+        return await self._reader.get_many(max_messages=limit)
+
+    async def recv_with(self, use: Callable[[Any], R]) -> R:
+        if self._lease is not None:
+            async with self._lease() as msg:
+                return use(msg)
+        return use(await self._reader.get())
+
+    def stats(self) -> dict[str, int]:
+        stats = self._reader.statistics()
+        return {"messages_received": stats.messages_received, "wakeups_sent": stats.wakeups_sent}
+
+    def close(self) -> None:
+        self._reader.close()
+
+
+class AioshmqChannel(Channel):
+    """An aioshmq ring, made by the sender under a name chosen here, attached to by name."""
+
+    broadcast = True
+
+    def _make(self) -> None:
+        self.name = f"bench-{os.getpid()}-{secrets.token_hex(6)}"
+
+    def sender(self) -> Sender:
+        return _AioshmqSender(
+            aioshmq.create(self.capacity, self.depth, self.readers, name=self.name)
+        )
+
+    def receiver(self, index: int) -> Receiver:
+        deadline = time.monotonic() + CONNECT_TIMEOUT
+        while True:
+            try:
+                reader = aioshmq.connect(self.name, reader=index)
+            except FileNotFoundError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)  # the sending process has not made the ring yet
+                continue
+            return _AioshmqReceiver(reader, self.arrays)
+
+
+# -- multiprocessing.Queue -------------------------------------------------------------------
+
+
+class _QueueSender(Sender):
+    def __init__(self, queue: Any) -> None:
+        self._queue = queue
+
+    async def send(self, obj: Any) -> None:
+        self._queue.put(obj, timeout=SYNC_TIMEOUT)
+
+
+class _QueueReceiver(Receiver):
+    def __init__(self, queue: Any) -> None:
+        self._queue = queue
+
+    async def recv(self) -> Any:
+        return self._queue.get(timeout=SYNC_TIMEOUT)
+
+
+class MpQueueChannel(Channel):
+    """A ``multiprocessing.Queue(maxsize=depth)``: a feeder thread pickles into a pipe."""
+
+    def _make(self) -> None:
+        self.queue = CTX.Queue(maxsize=self.depth)
+
+    def sender(self) -> Sender:
+        return _QueueSender(self.queue)
+
+    def receiver(self, index: int) -> Receiver:
+        return _QueueReceiver(self.queue)
+
+    def close(self) -> None:
+        # Every message was received or the run failed: never wait for the feeder at exit.
+        self.queue.cancel_join_thread()
+        self.queue.close()
+
+
+# -- faster-fifo -----------------------------------------------------------------------------
+
+
+class _FifoSender(_QueueSender):
+    async def send_many(self, objs: list[Any]) -> None:
+        self._queue.put_many(objs, timeout=SYNC_TIMEOUT)
+
+
+class _FifoReceiver(_QueueReceiver):
+    async def recv_many(self, limit: int) -> list[Any]:
+        msgs: list[Any] = self._queue.get_many(max_messages_to_get=limit, timeout=SYNC_TIMEOUT)
+        return msgs
+
+
+class FasterFifoChannel(Channel):
+    """A ``faster_fifo.Queue``: a ring in shared memory behind a process-shared mutex."""
+
+    def _make(self) -> None:
+        faster_fifo = importlib.import_module("faster_fifo")
+        self.queue = faster_fifo.Queue(max_size_bytes=self.capacity, maxsize=self.depth)
+
+    def sender(self) -> Sender:
+        return _FifoSender(self.queue)
+
+    def receiver(self, index: int) -> Receiver:
+        return _FifoReceiver(self.queue)
+
+
+# -- pyzmq -----------------------------------------------------------------------------------
+
+
+class _ZmqEnd:
+    def __init__(self, kind: str, address: str, hwm: int, bind: bool) -> None:
+        zmq = importlib.import_module("zmq")
+        self._ctx = importlib.import_module("zmq.asyncio").Context()
+        self.sock = self._ctx.socket(getattr(zmq, kind))
+        self.sock.setsockopt(zmq.SNDHWM if kind == "PUSH" else zmq.RCVHWM, hwm)
+        if bind:
+            self.sock.bind(address)
+        else:
+            self.sock.connect(address)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self._ctx.term()
+
+
+class _ZmqSender(Sender):
+    def __init__(self, end: _ZmqEnd, arrays: bool) -> None:
+        self._end = end
+        self._arrays = arrays
+
+    async def send(self, obj: Any) -> None:
+        if not self._arrays:
+            await self._end.sock.send_pyobj(obj)
+        elif obj is STOP:
+            await self._end.sock.send(b"")
+        else:
+            await self._end.sock.send(obj, copy=False)
+
+    def close(self) -> None:
+        self._end.close()
+
+
+class _ZmqReceiver(Receiver):
+    def __init__(self, end: _ZmqEnd, arrays: bool) -> None:
+        self._end = end
+        self._arrays = arrays
+
+    async def recv(self) -> Any:
+        if not self._arrays:
+            return await self._end.sock.recv_pyobj()
+        import numpy as np
+
+        frame = await self._end.sock.recv(copy=False)
+        buf = frame.buffer
+        return STOP if buf.nbytes == 0 else np.frombuffer(buf, dtype=np.uint8)
+
+    def close(self) -> None:
+        self._end.close()
+
+
+class ZmqChannel(Channel):
+    """A zmq.asyncio PUSH socket bound to an ipc:// path, and a PULL socket connected to it.
+
+    Objects go by ``send_pyobj``/``recv_pyobj``; arrays as their buffer with ``copy=False``.
+    Both high-water marks are ``depth``.
+    """
+
+    def _make(self) -> None:
+        name = f"aioshmq-bench-{os.getpid()}-{secrets.token_hex(6)}.ipc"
+        self.path = os.path.join(tempfile.gettempdir(), name)
+
+    def sender(self) -> Sender:
+        return _ZmqSender(_ZmqEnd("PUSH", f"ipc://{self.path}", self.depth, True), self.arrays)
+
+    def receiver(self, index: int) -> Receiver:
+        return _ZmqReceiver(_ZmqEnd("PULL", f"ipc://{self.path}", self.depth, False), self.arrays)
+
+    def close(self) -> None:
+        if os.getpid() == self.owner:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+# -- a bare eventfd --------------------------------------------------------------------------
+
+
+class _EventfdSender(Sender):
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+
+    async def send(self, obj: Any) -> None:
+        os.eventfd_write(self._fd, 2 if obj is STOP else 1)
+
+
+class _EventfdReceiver(Receiver):
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+
+    async def recv(self) -> Any:
+        while True:
+            await anyio.wait_readable(self._fd)
+            try:
+                value = os.eventfd_read(self._fd)
+            except BlockingIOError:  # a spurious wake-up
+                continue
+            return STOP if value >= 2 else value
+
+
+class EventfdChannel(Channel):
+    """No transport: an eventfd that one side writes and the other awaits in its event loop.
+
+    It carries no payload (1 is a ping, 2 the end); a round trip over two of them is the
+    floor for waking a peer that sleeps in its loop.
+    """
+
+    def _make(self) -> None:
+        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["fd"] = reduction.DupFd(self.fd)  # passed to the child while it is spawned
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state["fd"] = state["fd"].detach()
+        self.__dict__.update(state)
+
+    def sender(self) -> Sender:
+        return _EventfdSender(self.fd)
+
+    def receiver(self, index: int) -> Receiver:
+        return _EventfdReceiver(self.fd)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+# -- the roster ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A transport as the report names it, what it needs installed and how it is driven."""
+
+    name: str
+    channel: type[Channel]
+    how: str  #: how one message is sent and received
+    batch: str  #: how a batch of 64 travels
+    requires: tuple[str, ...] = ()
+
+    def missing(self) -> str | None:
+        """None if it can run here, else why not (for the report)."""
+        for module in self.requires:
+            if importlib.util.find_spec(module) is None:
+                return "not installed"
+        return None
+
+
+AIOSHMQ = Peer("aioshmq", AioshmqChannel, "async put/get", "put_many/get_many(64)")
+MP_QUEUE = Peer("mp.Queue", MpQueueChannel, "sync put/get (no async API)", "a list of 64 per put")
+ZMQ = Peer(
+    "zmq.asyncio",
+    ZmqChannel,
+    "async PUSH/PULL over ipc://, send_pyobj/recv_pyobj",
+    "a list of 64 per send_pyobj",
+    ("zmq",),
+)
+FASTER_FIFO = Peer(
+    "faster-fifo",
+    FasterFifoChannel,
+    "sync put/get (no async API)",
+    "put_many/get_many(64)",
+    ("faster_fifo",),
+)
+EVENTFD = Peer("eventfd", EventfdChannel, "os.eventfd + anyio.wait_readable, no payload", "-")

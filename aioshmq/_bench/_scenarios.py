@@ -1,0 +1,532 @@
+"""The six scenarios: what each measures, on which transports, and how runs become figures.
+
+Every measurement runs in fresh processes: the parent sends (or pings, or watches), children
+started with "spawn" receive.  The parent's side runs under asyncio.  One measurement that
+fails is reported as failed and the run goes on.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import anyio
+import anyio.to_thread
+
+from ._loops import (
+    ReaderReport,
+    Ticker,
+    echo_main,
+    idle_ticks,
+    memcpy_gbps,
+    ping,
+    pump,
+    reader_main,
+)
+from ._peers import (
+    AIOSHMQ,
+    EVENTFD,
+    FASTER_FIFO,
+    MP_QUEUE,
+    STOP,
+    ZMQ,
+    AioshmqChannel,
+    Peer,
+)
+from ._procs import Children, cpu_seconds, run_backend
+from ._report import fmt
+from ._results import Result
+from ._workload import Budget, Workload
+
+KiB, MiB = 1 << 10, 1 << 20
+SMALL_CAPACITY, SMALL_DEPTH = 16 * MiB, 1 << 16  # aioshmq.create()'s defaults
+ARRAY_DEPTH = 4  # arrays in flight at most, for the peers (aioshmq: a ring of 4 arrays)
+MEASURE_TIMEOUT = 180.0  # seconds for one measurement, whatever happens
+IDLE_SETTLE = 0.3  # seconds for an idle reader to fall asleep before it is watched
+
+# Figures quoted from design.md (vLLM's MessageQueue on this machine, quiet): never measured.
+VLLM_BROADCAST = {1: 77_000.0, 2: 36_000.0, 4: 24_000.0}
+VLLM = "vLLM (design.md)"
+VLLM_IDLE = 25.0  # an idle reader burns 1 s of CPU in every 4 s
+
+
+class Bench:
+    """The run so far: its budget, the figures gathered, and how many measurements failed."""
+
+    def __init__(self, budget: Budget) -> None:
+        self.budget = budget
+        self.results: list[Result] = []
+        self.failures = 0
+
+    def say(self, text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    def measure(
+        self,
+        scenario: str,
+        case: str,
+        peer: str,
+        units: dict[str, str],
+        params: dict[str, Any],
+        fn: Callable[[dict[str, Any]], dict[str, float]],
+        *,
+        absent: str | None = None,
+    ) -> None:
+        """Record ``fn(params)``'s figures (one per metric in ``units``; ``fn`` may add to
+        ``params``), or a figure-less result saying why: ``absent`` or the failure."""
+        values: dict[str, float] = {}
+        note = absent or ""
+        if absent is None:
+            self.say(f"  {case}: {peer} ...")
+            started = time.monotonic()
+            try:
+                values = fn(params)
+            except Exception as exc:
+                self.failures += 1
+                first = str(exc).splitlines()[0] if str(exc) else ""
+                note = f"failed: {type(exc).__name__}: {first}"
+                self.say(f"  {case}: {peer} FAILED\n{traceback.format_exc()}")
+            else:
+                took = time.monotonic() - started
+                shown = ", ".join(f"{k} {fmt(v, units[k])} {units[k]}" for k, v in values.items())
+                self.say(f"    {shown} ({took:.1f} s)")
+        for metric, unit in units.items():
+            value = values.get(metric)
+            self.results.append(Result(scenario, case, peer, metric, value, unit, params, note))
+
+    def reference(
+        self, scenario: str, case: str, peer: str, metric: str, value: float, unit: str
+    ) -> None:
+        self.results.append(
+            Result(
+                scenario,
+                case,
+                peer,
+                metric,
+                value,
+                unit,
+                note="quoted from design.md (quiet machine), not measured",
+                reference=True,
+            )
+        )
+
+
+# -- measurements (the parent's side) --------------------------------------------------------
+
+
+@dataclass
+class Stream:
+    counted: int  #: messages sent after the warm-up
+    elapsed: float  #: from the first counted message's arrival to the last reader's STOP
+    reports: list[ReaderReport]
+    writer_gaps: tuple[float, float] | None  #: longest and p99 gap of the writer's ticker (ms)
+    stats: dict[str, int]  #: the sender's counters (aioshmq: wake-ups sent to readers)
+
+
+async def _stream(
+    peer: Peer,
+    workload: Workload,
+    *,
+    readers: int = 1,
+    batch: int | None = None,
+    warmup: int = 0,
+    seconds: float = 0.0,
+    min_messages: int = 1,
+    capacity: int = SMALL_CAPACITY,
+    depth: int = SMALL_DEPTH,
+    tick: bool = False,
+) -> Stream:
+    """One writer (this process) streaming to ``readers`` child processes."""
+    with anyio.fail_after(MEASURE_TIMEOUT):
+        channel = peer.channel(
+            readers, capacity=capacity, depth=depth, arrays=workload.kind == "array"
+        )
+        try:
+            tx = channel.sender()
+            try:
+                with Children() as kids:
+                    for i in range(readers):
+                        kids.start(
+                            f"{peer.name}-reader-{i}",
+                            reader_main,
+                            channel,
+                            i,
+                            workload,
+                            batch,
+                            warmup,
+                            "asyncio",
+                            tick,
+                        )
+                    await anyio.to_thread.run_sync(kids.ready)
+                    ticker = Ticker()
+                    async with anyio.create_task_group() as tg:
+                        if tick:
+                            tg.start_soon(ticker.run)
+                        sent = await pump(
+                            tx,
+                            workload,
+                            seconds=seconds,
+                            min_messages=min_messages,
+                            batch=batch,
+                            warmup=warmup,
+                        )
+                        tg.cancel_scope.cancel()
+                    reports: list[ReaderReport] = await anyio.to_thread.run_sync(kids.results)
+                    stats = tx.stats()
+            finally:
+                tx.close()
+        finally:
+            channel.close()
+    for i, report in enumerate(reports):
+        if report["count"] != sent:
+            raise AssertionError(f"reader {i} received {report['count']} of {sent} messages")
+    start = min(report["t_first"] for report in reports)
+    elapsed = max(report["t_last"] for report in reports) - start
+    return Stream(sent - warmup, elapsed, reports, ticker.summary() if tick else None, stats)
+
+
+def _throughput(
+    bench: Bench,
+    peer: Peer,
+    workload: Workload,
+    params: dict[str, Any],
+    *,
+    readers: int = 1,
+    batch: int | None = None,
+    capacity: int = SMALL_CAPACITY,
+    depth: int = SMALL_DEPTH,
+) -> dict[str, float]:
+    """The median over the budget's repeats of messages/s (small) or GB/s (arrays)."""
+    budget = bench.budget
+    arrays = workload.kind == "array"
+    warmup = budget.warmup_arrays if arrays else budget.warmup_messages
+    min_messages = budget.min_arrays if arrays else 1
+    rates: list[float] = []
+    streams: list[Stream] = []
+    for _ in range(budget.repeats):
+        stream = run_backend(
+            "asyncio",
+            partial(
+                _stream,
+                peer,
+                workload,
+                readers=readers,
+                batch=batch,
+                warmup=warmup,
+                seconds=budget.seconds,
+                min_messages=min_messages,
+                capacity=capacity,
+                depth=depth,
+            ),
+        )
+        streams.append(stream)
+        if arrays:
+            rates.append(stream.counted * workload.nbytes / stream.elapsed / 1e9)
+        else:
+            rates.append(stream.counted / stream.elapsed)
+    params["runs"] = [round(rate, 3) for rate in rates]
+    params["messages"] = [stream.counted for stream in streams]
+    params["warmup"] = warmup
+    params["read"] = streams[0].reports[0]["read"]
+    if streams[-1].stats:  # the last run's counters, for whoever wonders about wake-ups
+        params["writer_stats"] = streams[-1].stats
+        params["reader_stats"] = [report["stats"] for report in streams[-1].reports]
+    return {"throughput": statistics.median(rates)}
+
+
+async def _pingpong(peer: Peer, workload: Workload, budget: Budget) -> list[float]:
+    """Round trips from this process through a child that echoes, over two channels."""
+    with anyio.fail_after(MEASURE_TIMEOUT):
+        forward, back = peer.channel(1), peer.channel(1)
+        try:
+            tx = forward.sender()
+            try:
+                with Children() as kids:
+                    kids.start(f"{peer.name}-echo", echo_main, forward, back, "asyncio")
+                    await anyio.to_thread.run_sync(kids.ready)
+                    rx = back.receiver(0)
+                    try:
+                        samples = await ping(
+                            tx,
+                            rx,
+                            workload,
+                            warmup=budget.warmup_round_trips,
+                            rounds=budget.round_trips,
+                            seconds=budget.latency_seconds,
+                        )
+                        await anyio.to_thread.run_sync(kids.results)
+                    finally:
+                        rx.close()
+            finally:
+                tx.close()
+        finally:
+            forward.close()
+            back.close()
+    return samples
+
+
+def _latency(bench: Bench, peer: Peer, params: dict[str, Any]) -> dict[str, float]:
+    samples = run_backend("asyncio", _pingpong, peer, Workload("small"), bench.budget)
+    samples.sort()
+    params["round_trips"] = len(samples)
+    return {
+        "p50": statistics.median(samples),
+        "p99": samples[min(len(samples) - 1, round(0.99 * (len(samples) - 1)))],
+    }
+
+
+async def _idle(backend: str, seconds: float) -> tuple[float, float]:
+    """CPU seconds used by a reader process awaiting an empty ring, and the wall seconds."""
+    with anyio.fail_after(MEASURE_TIMEOUT):
+        channel = AioshmqChannel(1)
+        tx = channel.sender()
+        try:
+            with Children() as kids:
+                kid = kids.start(
+                    f"idle-reader-{backend}",
+                    reader_main,
+                    channel,
+                    0,
+                    Workload("small"),
+                    None,
+                    0,
+                    backend,
+                    False,
+                )
+                await anyio.to_thread.run_sync(kids.ready)
+                await tx.wait_ready()
+                await anyio.sleep(min(IDLE_SETTLE, seconds))  # the reader sleeps in get() now
+                cpu0, t0 = cpu_seconds(kid.pid), time.monotonic()
+                await anyio.sleep(seconds)
+                cpu1, t1 = cpu_seconds(kid.pid), time.monotonic()
+                await tx.send(STOP)
+                await anyio.to_thread.run_sync(kids.results)
+        finally:
+            tx.close()
+            channel.close()
+    return cpu1 - cpu0, t1 - t0
+
+
+def _idle_cost(backend: str, seconds: float, params: dict[str, Any]) -> dict[str, float]:
+    cpu, wall = run_backend("asyncio", _idle, backend, seconds)
+    params["cpu_seconds"], params["wall_seconds"] = cpu, round(wall, 3)
+    return {"cpu": 100.0 * cpu / wall}
+
+
+def _memcpy(nbytes: int, seconds: float, params: dict[str, Any]) -> dict[str, float]:
+    return {"throughput": memcpy_gbps(nbytes, seconds)}
+
+
+# -- the scenarios ---------------------------------------------------------------------------
+
+
+def small(bench: Bench) -> None:
+    """100-byte objects, 1 writer -> 1 reader: one per put, and in batches of 64."""
+    workload = Workload("small")
+    for case, batch in (("one per put", None), ("batches of 64", 64)):
+        for peer in (AIOSHMQ, MP_QUEUE, ZMQ, FASTER_FIFO):
+            params: dict[str, Any] = {
+                "readers": 1,
+                "object_bytes": 100,
+                "batch": batch or 1,
+                "how": peer.batch if batch else peer.how,
+                "capacity": SMALL_CAPACITY,
+                "depth": SMALL_DEPTH,
+                "backend": "asyncio",
+            }
+            fn = partial(_throughput, bench, peer, workload, batch=batch)
+            bench.measure(
+                "small",
+                case,
+                peer.name,
+                {"throughput": "msg/s"},
+                params,
+                fn,
+                absent=peer.missing(),
+            )
+
+
+def _numpy_missing() -> str | None:
+    return None if importlib.util.find_spec("numpy") else "not installed (numpy)"
+
+
+def large(bench: Bench) -> None:
+    """numpy arrays of 512 KiB, 1 MiB and 64 MiB in GB/s, next to memcpy into shared memory."""
+    budget = bench.budget
+    no_numpy = _numpy_missing()
+    for nbytes, case in ((512 * KiB, "512 KiB"), (1 * MiB, "1 MiB"), (64 * MiB, "64 MiB")):
+        workload = Workload("array", nbytes)
+        bench.measure(
+            "large",
+            case,
+            "memcpy",
+            {"throughput": "GB/s"},
+            {"bytes": nbytes, "how": "numpy.copyto into an mmap'd memfd, best of several"},
+            partial(_memcpy, nbytes, budget.memcpy_seconds),
+            absent=no_numpy,
+        )
+        capacity = 4 * nbytes
+        bench.measure(
+            "large",
+            case,
+            "aioshmq",
+            {"throughput": "GB/s"},
+            {"bytes": nbytes, "capacity": capacity, "depth": 16, "how": "put/get, out-of-band"},
+            partial(_throughput, bench, AIOSHMQ, workload, capacity=capacity, depth=16),
+            absent=no_numpy,
+        )
+        for peer, how in (
+            (MP_QUEUE, "put/get, pickled in-band"),
+            (ZMQ, "send(copy=False) of the buffer, recv(copy=False)"),
+        ):
+            params = {"bytes": nbytes, "depth": ARRAY_DEPTH, "how": how}
+            bench.measure(
+                "large",
+                case,
+                peer.name,
+                {"throughput": "GB/s"},
+                params,
+                partial(_throughput, bench, peer, workload, depth=ARRAY_DEPTH),
+                absent=no_numpy or peer.missing(),
+            )
+    workload = Workload("array", 64 * MiB)
+    bench.measure(
+        "large",
+        "64 MiB via a 16 MiB ring",
+        "aioshmq",
+        {"throughput": "GB/s"},
+        {"bytes": 64 * MiB, "capacity": 16 * MiB, "how": "put/get, sent in fragments"},
+        partial(_throughput, bench, AIOSHMQ, workload, capacity=16 * MiB, depth=16),
+        absent=no_numpy,
+    )
+
+
+def latency(bench: Bench) -> None:
+    """Ping-pong of a 100-byte object between two processes: p50 and p99 round trip."""
+    for peer in (AIOSHMQ, EVENTFD, ZMQ, MP_QUEUE, FASTER_FIFO):
+        how = "two rings" if peer is AIOSHMQ else peer.how
+        bench.measure(
+            "latency",
+            "round trip",
+            peer.name,
+            {"p50": "us", "p99": "us"},
+            {"object_bytes": 100, "how": how, "backend": "asyncio"},
+            partial(_latency, bench, peer),
+            absent=peer.missing(),
+        )
+
+
+def broadcast(bench: Bench) -> None:
+    """100-byte objects from 1 writer to 1, 2 and 4 readers, each receiving every message."""
+    workload = Workload("small")
+    for readers in (1, 2, 4):
+        case = f"1 -> {readers} reader{'s' if readers > 1 else ''}"
+        bench.measure(
+            "broadcast",
+            case,
+            "aioshmq",
+            {"throughput": "msg/s"},
+            {"readers": readers, "object_bytes": 100, "how": "put/get, one message per put"},
+            partial(_throughput, bench, AIOSHMQ, workload, readers=readers),
+        )
+        bench.reference("broadcast", case, VLLM, "throughput", VLLM_BROADCAST[readers], "msg/s")
+
+
+def idle(bench: Bench) -> None:
+    """CPU used by a reader process awaiting an empty ring, as % of a core."""
+    seconds = bench.budget.idle_seconds
+    for backend, module in (("asyncio", "asyncio"), ("uvloop", "uvloop"), ("trio", "trio")):
+        absent = None if importlib.util.find_spec(module) else "not installed"
+        bench.measure(
+            "idle",
+            backend,
+            "aioshmq",
+            {"cpu": "% core"},
+            {"seconds": seconds, "how": "utime+stime from /proc/<pid>/stat"},
+            partial(_idle_cost, backend, seconds),
+            absent=absent,
+        )
+        bench.reference("idle", backend, VLLM, "cpu", VLLM_IDLE, "% core")
+
+
+def lag(bench: Bench) -> None:
+    """The gaps of a 1 ms ticker in every loop while arrays stream to two readers, next to
+    the same ticker in a loop with nothing else to do."""
+    nbytes = 1 * MiB
+    count = bench.budget.lag_bytes // nbytes
+    workload = Workload("array", nbytes)
+    case = f"{count} x 1 MiB to 2 readers"
+    loops = ("writer", "reader 0", "reader 1")
+    gap_units = {f"{loop} {what} gap": "ms" for what in ("max", "p99") for loop in loops}
+
+    def measure(params: dict[str, Any]) -> dict[str, float]:
+        stream = run_backend(
+            "asyncio",
+            partial(_stream, AIOSHMQ, workload, readers=2, min_messages=count, tick=True),
+        )
+        gaps = [stream.writer_gaps, *(report["gaps"] for report in stream.reports)]
+        values = {"throughput": stream.counted * nbytes / stream.elapsed / 1e9}
+        for loop, summary in zip(loops, gaps, strict=True):
+            assert summary is not None
+            values[f"{loop} max gap"], values[f"{loop} p99 gap"] = summary
+        params["read"] = stream.reports[0]["read"]
+        params["writer_stats"] = stream.stats
+        params["reader_stats"] = [report["stats"] for report in stream.reports]
+        return values
+
+    def alone(params: dict[str, Any]) -> dict[str, float]:
+        longest, p99 = run_backend("asyncio", idle_ticks, bench.budget.latency_seconds)
+        return {key: longest if "max" in key else p99 for key in gap_units}
+
+    bench.measure(
+        "lag",
+        case,
+        "aioshmq",
+        {**gap_units, "throughput": "GB/s"},
+        {
+            "bytes": count * nbytes,
+            "message_bytes": nbytes,
+            "readers": 2,
+            "tick_ms": 1.0,
+            "capacity": SMALL_CAPACITY,
+            "backend": "asyncio",
+            "how": "put/get, a ticker task in each of the 3 loops",
+        },
+        measure,
+        absent=_numpy_missing(),
+    )
+    bench.measure(
+        "lag",
+        case,
+        "ticker alone",
+        gap_units,
+        {"seconds": bench.budget.latency_seconds, "how": "the same ticker, no traffic"},
+        alone,
+    )
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    title: str
+    run: Callable[[Bench], None]
+
+
+SCENARIOS = (
+    Scenario("small", "small objects (100 B), 1 writer -> 1 reader", small),
+    Scenario("large", "large payloads (numpy arrays), 1 writer -> 1 reader", large),
+    Scenario("latency", "ping-pong latency of a 100-byte object", latency),
+    Scenario("broadcast", "broadcast of 100-byte objects, 1 writer -> N readers", broadcast),
+    Scenario("idle", "idle cost: a reader awaiting an empty ring", idle),
+    Scenario("lag", "event-loop lag: 1 ms ticker while 1 MiB arrays stream", lag),
+)
+SCENARIO_NAMES = tuple(scenario.name for scenario in SCENARIOS)
+
+__all__ = ["SCENARIOS", "SCENARIO_NAMES", "Bench", "Scenario"]

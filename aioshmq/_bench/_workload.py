@@ -1,0 +1,72 @@
+"""What is sent and for how long: the 100-byte object, the payload arrays, each mode's budget."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+_PAD = b"aioshmq-bench-pad!"  # brings the object's protocol-5 pickle to 100 bytes
+_arrays: dict[int, Any] = {}
+
+
+def small_object(seq: int) -> dict[str, Any]:
+    """A typical small message: a dict whose pickle is 100 bytes."""
+    return {"seq": seq, "topic": "ticks/eu", "price": 101.25, "size": 300, "pad": _PAD}
+
+
+def pattern_array(nbytes: int) -> Any:
+    """A uint8 array whose byte k is k % 251, made once per size and reused for every send."""
+    array = _arrays.get(nbytes)
+    if array is None:
+        import numpy as np
+
+        array = _arrays[nbytes] = np.resize(np.arange(251, dtype=np.uint8), nbytes)
+    return array
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A stream of messages: small objects numbered in order, or one array sent again and again.
+
+    ``check`` runs in the reader on every message: it verifies the order of small objects,
+    and the size and last byte of an array (so every array is really touched).
+    """
+
+    kind: Literal["small", "array"]
+    nbytes: int = 100
+
+    def make(self, seq: int) -> Any:
+        return small_object(seq) if self.kind == "small" else pattern_array(self.nbytes)
+
+    def check(self, msg: Any, seq: int) -> None:
+        if self.kind == "small":
+            if msg["seq"] != seq:
+                raise AssertionError(f"message {seq} arrived as {msg['seq']}: order broken")
+            return
+        last = self.nbytes - 1
+        if len(msg) != self.nbytes or int(msg[last]) != last % 251:
+            raise AssertionError(f"array {seq} arrived damaged ({len(msg)} bytes)")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How long each measurement runs: ``full``, ``quick`` (under 2 minutes in all) or ``tiny``
+    (a fraction of a second per measurement, for the test of the command itself)."""
+
+    mode: str
+    seconds: float  #: one throughput run streams this long, after its warm-up
+    repeats: int  #: throughput runs per figure; the median is reported
+    warmup_messages: int  #: small objects sent before the clock starts
+    warmup_arrays: int  #: arrays sent before the clock starts
+    min_arrays: int  #: a large-payload run counts at least this many arrays
+    warmup_round_trips: int  #: ping-pong round trips not counted
+    round_trips: int  #: ping-pong round trips counted (fewer if ``latency_seconds`` runs out)
+    latency_seconds: float
+    idle_seconds: float  #: how long an idle reader is watched
+    lag_bytes: int  #: bytes streamed while the tickers run
+    memcpy_seconds: float  #: time spent finding the best memcpy of each size
+
+
+FULL = Budget("full", 1.5, 3, 2000, 4, 8, 500, 20_000, 3.0, 3.0, 1 << 30, 0.3)
+QUICK = Budget("quick", 0.4, 1, 1000, 4, 4, 200, 3_000, 0.8, 1.0, 256 << 20, 0.1)
+TINY = Budget("tiny", 0.02, 1, 128, 0, 2, 20, 100, 0.1, 0.1, 8 << 20, 0.01)

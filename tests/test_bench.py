@@ -1,0 +1,117 @@
+"""``python -m aioshmq bench`` runs end to end: every scenario yields figures (none timed here)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from aioshmq._bench._peers import _AioshmqReceiver
+from aioshmq._bench._scenarios import SCENARIO_NAMES
+
+ROOT = Path(__file__).resolve().parent.parent
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+
+
+def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` in its own session; on timeout kill it with every child it started."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            pytest.fail(f"timed out after {timeout} s\nstdout:\n{out}\nstderr:\n{err}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+@pytest.mark.timeout(60)
+def test_bench_tiny_run_reports_every_scenario(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "aioshmq", "bench", "--quick", "--tiny", "--json", str(out)]
+    if HAS_MATPLOTLIB:
+        cmd += ["--plot", str(tmp_path / "bench.png")]
+    proc = _run(cmd, timeout=55)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+
+    data = json.loads(out.read_text())
+    assert data["mode"] == "tiny"
+    assert data["machine"]["cpu_count"] >= 1
+    assert data["machine"]["python"] == sys.version.split()[0]
+    results = data["results"]
+    for scenario in SCENARIO_NAMES:
+        mine = [r for r in results if r["scenario"] == scenario and r["peer"] == "aioshmq"]
+        assert mine, f"no aioshmq result for {scenario}"
+        for r in mine:
+            if r["note"].startswith("not installed"):  # uvloop or trio (idle), numpy
+                continue
+            assert isinstance(r["value"], float) and r["value"] >= 0, r
+    for r in results:
+        assert set(r) >= {"scenario", "case", "peer", "metric", "value", "unit", "params"}
+        assert isinstance(r["value"], float) or r["note"].startswith("not installed"), r
+    # Every peer is either measured or said to be missing, and mp.Queue is always there.
+    assert any(r["peer"] == "mp.Queue" and r["value"] is not None for r in results)
+    assert any(r["peer"] == "memcpy" and r["value"] is not None for r in results)
+    assert any(r["peer"] == "eventfd" and r["value"] is not None for r in results)
+    for scenario in SCENARIO_NAMES:
+        assert f"== {scenario}:" in proc.stdout
+    assert "[small]" in proc.stderr and "mp.Queue" in proc.stderr
+    if HAS_MATPLOTLIB:
+        assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_only_rejects_an_unknown_scenario() -> None:
+    cmd = [sys.executable, "-m", "aioshmq", "bench", "--only", "nonsense"]
+    proc = _run(cmd, timeout=30)
+    assert proc.returncode == 2
+    assert "invalid choice" in proc.stderr
+
+
+class _LeasingReader:
+    """Stands in for a future ``aioshmq.Reader`` with a zero-copy ``lease()``."""
+
+    def __init__(self) -> None:
+        self.inside = False
+        self.leases = 0
+
+    @asynccontextmanager
+    async def lease(self) -> Any:
+        self.inside = True
+        self.leases += 1
+        try:
+            yield b"leased"
+        finally:
+            self.inside = False
+
+    async def get(self) -> Any:
+        raise AssertionError("get() used although the reader can lease")
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_large_payloads_are_read_through_a_lease_when_the_reader_has_one(
+    anyio_backend: str,
+) -> None:
+    reader = _LeasingReader()
+    rx = _AioshmqReceiver(reader, arrays=True)  # type: ignore[arg-type]
+    assert rx.read == "lease"
+    seen = await rx.recv_with(lambda msg: (msg, reader.inside))
+    assert seen == (b"leased", True)  # used while the lease was held
+    assert reader.leases == 1 and not reader.inside
