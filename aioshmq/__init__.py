@@ -1,7 +1,7 @@
 """aioshmq: one writer broadcasts Python objects to N reader processes through shared memory."""
 
 from ._errors import CorruptedError, Empty, Full, PeerDied
-from ._reader import Reader, ReaderStatistics, connect
+from ._reader import Lease, Reader, ReaderStatistics, connect
 from ._writer import Handle, Writer, WriterStatistics, create
 
 __all__ = [
@@ -9,6 +9,7 @@ __all__ = [
     "Empty",
     "Full",
     "Handle",
+    "Lease",
     "PeerDied",
     "Reader",
     "ReaderStatistics",

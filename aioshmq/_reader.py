@@ -72,6 +72,24 @@ def connect(
         raise
 
 
+class Lease(Generic[T]):
+    """A message read in place: valid inside ``async with``, released at its end."""
+
+    __slots__ = ("_reader", "mark")
+
+    def __init__(self, reader: Reader[T]) -> None:
+        self._reader = reader
+        self.mark: tuple[int, int] | None = None
+
+    async def __aenter__(self) -> T:
+        if self.mark is not None:
+            raise RuntimeError("this lease is already held")
+        return await self._reader._get_leased(self)
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._reader._end_lease(self)
+
+
 class Reader(End, ObjectReceiveStream[T], Generic[T]):
     """One reader of a ring: receives every message the writer puts, in order."""
 
@@ -132,8 +150,12 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
 
     # -- taking messages --------------------------------------------------------------------
 
-    def _poll(self, publish: bool = True) -> Any:
-        """The next message, or _EMPTY; EndOfStream once the writer closed and all was read."""
+    def _poll(self, publish: bool = True, lease: Lease[Any] | None = None) -> Any:
+        """The next message, or _EMPTY; EndOfStream once the writer closed and all was read.
+
+        With ``lease``, a message still in the ring is rebuilt on the ring's memory (its
+        record pinned until the lease ends) instead of being copied out.
+        """
         if self._pending:
             self._messages += 1
             return self._pending.popleft()
@@ -151,9 +173,13 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         payload, kind, size = msg
         try:
             main, buffers = decode(payload, kind)
-            if buffers and size:  # out-of-band buffers still in the ring: copy them out
-                buffers = [bytearray(b) for b in buffers]  # type: ignore[misc]
-            obj = self._ser.loads(main, buffers)
+            if lease is not None and size and not kind & L.BATCH:
+                obj = self._ser.loads_view(main, buffers)
+                lease.mark = ring.pin()
+            else:
+                if buffers and size:  # out-of-band buffers still in the ring: copy them out
+                    buffers = [bytearray(b) for b in buffers]  # type: ignore[misc]
+                obj = self._ser.loads(main, buffers)
         finally:
             count = ring.messages
             ring.consume(size)
@@ -209,6 +235,29 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
                 self._wake.drain()
             if not ring.available():
                 self._writer_gone()
+
+    def lease(self) -> Lease[T]:
+        """The next message without copying it out of the ring, for as long as it is held.
+
+        ``async with reader.lease() as msg:`` waits like ``get()``; inside the block, large
+        out-of-band buffers (numpy arrays, ``PickleBuffer``) and ``raw`` messages are views
+        of the ring itself, and the writer does not reuse that message's space until the
+        block ends (other messages keep flowing).  After the block the views must not be
+        used: the writer may overwrite them.  Small objects are rebuilt as usual.
+        """
+        return Lease(self)
+
+    async def _get_leased(self, lease: Lease[T]) -> T:
+        self._check()
+        async with self._lock:
+            while (obj := self._poll(lease=lease)) is _EMPTY:
+                await self._wait()
+            return obj  # type: ignore[no-any-return]
+
+    def _end_lease(self, lease: Lease[T]) -> None:
+        if lease.mark is not None and not self._closed:
+            self._ring.unpin(lease.mark)
+        lease.mark = None
 
     async def get(self) -> T:
         """The next message; waits for one.  EndOfStream after the writer closed."""
@@ -315,4 +364,4 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         self._seg.close()
 
 
-__all__ = ["Reader", "ReaderStatistics", "connect"]
+__all__ = ["Lease", "Reader", "ReaderStatistics", "connect"]

@@ -399,6 +399,7 @@ class RingReader:
         self.episode = _episode()
         self.wakeups = 0
         self.messages = 1  # how many messages the record next() returned holds
+        self.pins: list[tuple[int, int]] = []  # records of leased messages, oldest first
         self.partial: bytearray | None = None  # a fragmented message being reassembled
         self.partial_kind = 0
         self.partial_len = 0
@@ -514,20 +515,32 @@ class RingReader:
         slowest reader is not woken by the fast ones over and over.
         """
         w = self.w
-        w[self.r_count] = self.count
-        w[self.r_tail] = self.tail
+        # A leased message keeps its record: the writer may not reuse it until released.
+        tail, count = self.pins[0] if self.pins else (self.tail, self.count)
+        w[self.r_count] = count
+        w[self.r_tail] = tail
         fence()
         if w[self.w_sleep]:
             acquire()
             want_pos, want_count = w[self.w_want_pos], w[self.w_want_count]
             if (
-                self.tail >= want_pos
-                and self.count >= want_count
+                tail >= want_pos
+                and count >= want_count
                 and not (self.shown_tail >= want_pos and self.shown_count >= want_count)
             ):
                 self.wakeups += 1
                 self.wake_writer()
-        self.shown_tail, self.shown_count = self.tail, self.count
+        self.shown_tail, self.shown_count = tail, count
+
+    def pin(self) -> tuple[int, int]:
+        """Keep the record ``next()`` returned from being reused until ``unpin``."""
+        mark = (self.tail, self.count)
+        self.pins.append(mark)
+        return mark
+
+    def unpin(self, mark: tuple[int, int]) -> None:
+        self.pins.remove(mark)
+        self.publish()
 
     def prepare_sleep(self) -> bool:
         """Announce that this reader is about to sleep; False if data or the end arrived."""

@@ -29,6 +29,10 @@ class Serializer:
     def loads(self, main: memoryview, buffers: Sequence[Buffer]) -> Any:
         raise NotImplementedError
 
+    def loads_view(self, main: memoryview, buffers: Sequence[memoryview]) -> Any:
+        """Rebuild an object that may alias ``main`` and ``buffers`` (for a lease)."""
+        return self.loads(main, buffers)
+
 
 class _BufferSink:
     """Collects pickle protocol-5 out-of-band buffers; keeps non-contiguous ones in-band."""
@@ -92,6 +96,9 @@ class RawSerializer(Serializer):
 
     def loads(self, main: memoryview, buffers: Sequence[Buffer]) -> Any:
         return bytes(main)
+
+    def loads_view(self, main: memoryview, buffers: Sequence[memoryview]) -> Any:
+        return main
 
 
 class _Custom(Serializer):

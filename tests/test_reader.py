@@ -189,3 +189,53 @@ async def test_under_pytest_asyncio() -> None:
             assert [await r.get() for _ in range(5)] == list(range(5))
             with pytest.raises(aioshmq.Empty):
                 r.get_nowait()
+
+
+async def test_lease_reads_in_place_and_holds_only_its_space() -> None:
+    with aioshmq.create(capacity=8192, serializer="raw") as w, aioshmq.connect(w.name) as r:
+        await w.put(b"a" * 3000)
+        await w.put(b"b" * 3000)
+        async with r.lease() as view:
+            assert isinstance(view, memoryview) and view == b"a" * 3000  # the ring itself
+            assert await r.get() == b"b" * 3000  # other messages keep flowing
+            # The leased record keeps its room (and, the ring being in order, what follows).
+            assert w.statistics().bytes_in_ring == 2 * 3024
+            await w.put(b"c" * 2000)
+            with pytest.raises(aioshmq.Full):
+                w.put_nowait(b"d" * 3000)
+        assert w.statistics().bytes_in_ring == 2016  # released: only "c" is left
+        w.put_nowait(b"d" * 3000)
+        assert [await r.get(), await r.get()] == [b"c" * 2000, b"d" * 3000]
+
+
+async def test_lease_of_a_numpy_array_is_zero_copy() -> None:
+    np = pytest.importorskip("numpy")
+    with aioshmq.create(capacity=1 << 22) as w, aioshmq.connect(w.name) as r:
+        arr = np.arange(1 << 17, dtype=np.float64)  # 1 MiB: one record in a 4 MiB ring
+        ring = np.frombuffer(r._seg.data, dtype=np.uint8)
+        start, end = ring.ctypes.data, ring.ctypes.data + ring.nbytes
+        del ring  # a view held past close would keep the mapping alive
+        await w.put(arr)
+        async with r.lease() as got:
+            assert np.array_equal(got, arr)
+            assert start <= got.ctypes.data < end  # it lives in the ring
+            del got
+        await w.put(arr)
+        copied = await r.get()
+        assert np.array_equal(copied, arr)
+        assert not start <= copied.ctypes.data < end  # get() copies out
+
+
+async def test_cancelled_lease_consumes_nothing() -> None:
+    with aioshmq.create(capacity=1 << 16) as w, aioshmq.connect(w.name) as r:
+        with anyio.move_on_after(0.05) as scope:
+            async with r.lease():
+                pass
+        assert scope.cancelled_caught
+        await w.put("x")
+        async with r.lease() as msg:
+            assert msg == "x"
+        w.close()
+        with pytest.raises(anyio.EndOfStream):
+            async with r.lease():
+                pass
