@@ -300,8 +300,18 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
 
     def _drain_into(self, out: list[T], limit: int | None) -> None:
         ring = self._ring
+        pending = self._pending
         try:
             while limit is None or len(out) < limit:
+                if pending:  # the rest of a batch, in one step
+                    n = len(pending) if limit is None else min(len(pending), limit - len(out))
+                    if n == len(pending):
+                        out.extend(pending)
+                        pending.clear()
+                    else:
+                        out.extend(pending.popleft() for _ in range(n))
+                    self._messages += n
+                    continue
                 obj = self._poll(publish=False)
                 if obj is _EMPTY:
                     break
