@@ -214,25 +214,27 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
 
     async def _wait(self) -> None:
         ring = self._ring
+        # Drained before announcing the sleep, not after waking: a signal meant for an
+        # earlier sleep cannot then wake this one for nothing.
+        self._wake.drain()
         if ring.prepare_sleep():
             try:
                 await self._sleep()
             finally:
                 if not self._closed:  # closed meanwhile: the ring is gone
                     ring.end_sleep()
-                    self._wake.drain()
             self._check()
             if not ring.available():
                 self._writer_gone()
 
     def _wait_sync(self, deadline: float | None) -> None:
         ring = self._ring
+        self._wake.drain()
         if ring.prepare_sleep():
             try:
                 self._sleep_sync(deadline)
             finally:
                 ring.end_sleep()
-                self._wake.drain()
             if not ring.available():
                 self._writer_gone()
 

@@ -227,24 +227,24 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
     async def _wait_room(self) -> None:
         self._check_readers()
         need, messages = self._ring.need
+        self._wake.drain()  # before announcing the sleep: no wake-up left over from before
         if self._ring.prepare_sleep(need, messages):
             try:
                 await self._sleep()
             finally:
                 if not self._closed:  # closed meanwhile: the ring is gone
                     self._ring.end_sleep()
-                    self._wake.drain()
         self._check()
 
     def _wait_room_sync(self, deadline: float | None) -> None:
         self._check_readers()
         need, messages = self._ring.need
+        self._wake.drain()
         if self._ring.prepare_sleep(need, messages):
             try:
                 self._sleep_sync(deadline)
             finally:
                 self._ring.end_sleep()
-                self._wake.drain()
 
     async def _run(self, frames: list[Frame]) -> None:
         """Write ``frames`` in turn with the other waiting puts, waiting for room."""
@@ -342,17 +342,21 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         """Return once every reader slot is attached."""
         self._check()
         async with self._lock:
-            while not self._all_attached():
+            while True:
+                self._wake.drain()
+                if self._all_attached():
+                    return
                 await self._sleep()
                 self._check()
-                self._wake.drain()
 
     def wait_readers_sync(self, timeout: float | None = None) -> None:
         self._check()
         deadline = deadline_of(timeout)
-        while not self._all_attached():
-            self._sleep_sync(deadline)
+        while True:
             self._wake.drain()
+            if self._all_attached():
+                return
+            self._sleep_sync(deadline)
 
     def drop_reader(self, index: int) -> None:
         """Stop keeping messages for slot ``index`` whose reader died or never came.
