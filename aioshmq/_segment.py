@@ -8,6 +8,8 @@ import os
 
 from ._layout import Layout
 
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
 
 class Segment:
     """A mapping of a memfd, with a u64 view for counters and a byte view for data.
@@ -21,7 +23,9 @@ class Segment:
     __slots__ = ("_map", "_views", "buf", "data", "fd", "words")
 
     def __init__(self, fd: int, size: int, *, keep_fd: bool) -> None:
-        self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        # Map every page now: the first pass through a large ring would otherwise take a
+        # page fault every 4 KiB inside put and get.
+        self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
         self.buf = memoryview(self._map)
         self.words = self.buf[: size - size % 8].cast("Q")
         self.data = self.buf  # narrowed to the data area by create() and the reader
