@@ -471,6 +471,21 @@ class RingReader:
                 raise CorruptedError(f"unknown record kind {kind} at position {self.tail}")
         return None
 
+    def take_plain(self) -> memoryview | None:
+        """The next record's payload if it is one whole message without buffers: the hot
+        path.  None for anything else (or nothing), which ``next()`` then handles."""
+        tail = self.tail
+        if tail == self.head and not self.refresh():
+            return None
+        off = tail % self.cap
+        word = self.q[off >> 3]
+        if word & 0xFF != L.MSG or self.partial is not None or self.skipping:
+            return None
+        end = off + 16 + (word >> 8)
+        if end > self.cap or tail + end - off > self.head:
+            return None  # next() reports the corruption
+        return self.data[off + 16 : end]
+
     def _fragment(self, off: int, base: int, kind: int, length: int) -> memoryview | None:
         start = off + L.HEADER_SIZE
         if base == L.FIRST:
