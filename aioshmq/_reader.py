@@ -11,6 +11,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 
 import anyio
 from anyio.abc import ObjectReceiveStream
+from anyio.lowlevel import checkpoint
 
 from . import _layout as L
 from ._broker import BYE, check_name, pidfd_of, request
@@ -26,6 +27,7 @@ T = TypeVar("T")
 
 _EMPTY: Any = object()
 BYE_TIMEOUT = 1.0
+DEFAULT_SPIN = 0.0002  # per wait: an idle reader spends at most this once per message
 
 
 class ReaderStatistics(NamedTuple):
@@ -44,12 +46,17 @@ def connect(
     *,
     serializer: SerializerSpec | None = None,
     timeout: float | None = 10.0,
+    spin: float = DEFAULT_SPIN,
 ) -> Reader[Any]:
     """Attach to reader slot ``reader`` of a ring, by its handle or its name.
 
     ``serializer`` defaults to the writer's (it must be given when the writer uses a custom
-    one).  ``timeout`` bounds the wait for the writer to answer.
+    one).  ``timeout`` bounds the wait for the writer to answer.  ``spin`` is how long (in
+    seconds) an async get keeps yielding to the event loop and looking at the ring before
+    it goes to sleep: a message that arrives meanwhile needs no wake-up.  0 sleeps at once.
     """
+    if not isinstance(spin, int | float) or isinstance(spin, bool) or not 0 <= spin <= 1:
+        raise ValueError(f"spin must be a number of seconds from 0 to 1, not {spin!r}")
     name = check_name(handle.name if isinstance(handle, Handle) else handle)
     if isinstance(reader, bool) or not isinstance(reader, int):
         raise TypeError(f"reader must be an int, not {type(reader).__name__}")
@@ -65,7 +72,7 @@ def connect(
                     "pass the same one as connect(..., serializer=...)"
                 )
             ser = resolve(att.serializer)
-        return Reader(name, reader, att, ser)
+        return Reader(name, reader, att, ser, float(spin))
     except BaseException:
         att.sock.close()
         for fd in {att.segment_fd, *att.writer_wake.fds(), *att.reader_wake.fds()} - {-1}:
@@ -96,7 +103,7 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
 
     _role = "reader"
 
-    def __init__(self, name: str, index: int, att: Any, serializer: Any) -> None:
+    def __init__(self, name: str, index: int, att: Any, serializer: Any, spin: float = 0.0) -> None:
         super().__init__()
         self._closed = True  # until everything below exists
         self._name = name
@@ -109,6 +116,7 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         self._messages = 0
         self._bytes = 0
         self._deferred: BaseException | None = None
+        self._spin = spin
         self._pending: collections.deque[Any] = collections.deque()  # the rest of a batch
         self._seg = Segment.attach(att.segment_fd)
         att.segment_fd = -1
@@ -215,6 +223,17 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
 
     async def _wait(self) -> None:
         ring = self._ring
+        if self._spin:
+            # Yield to the loop (never block it) for a moment: when messages come fast,
+            # the next one arrives meanwhile and neither side makes a wake-up syscall.
+            deadline = time.monotonic() + self._spin
+            while True:
+                await checkpoint()
+                self._check()
+                if ring.available() or ring.w[ring.w_closed]:
+                    return
+                if time.monotonic() >= deadline:
+                    break
         # Drained before announcing the sleep, not after waking: a signal meant for an
         # earlier sleep cannot then wake this one for nothing.
         self._wake.drain()

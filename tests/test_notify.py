@@ -62,7 +62,7 @@ def _pong(name: str, kind: str, backend: str) -> None:
             name=name + "-reply",
             notifier=kind,  # type: ignore[arg-type]
         ) as replies:
-            async with aioshmq.connect(name) as requests:
+            async with aioshmq.connect(name, spin=0) as requests:  # sleep at once: every wait
                 await replies.wait_readers()
                 async for msg in requests:
                     await replies.put(msg)
@@ -82,7 +82,7 @@ async def test_no_wake_up_is_lost(anyio_backend: object, kind: str, children: Ch
         await anyio.to_thread.run_sync(children.start, "spawn", _pong, requests.name, kind, backend)
         with anyio.fail_after(60):
             await requests.wait_readers()
-        async with aioshmq.connect(requests.name + "-reply") as replies:
+        async with aioshmq.connect(requests.name + "-reply", spin=0) as replies:
             for i in range(ROUNDS):
                 with anyio.fail_after(1):  # the watchdog
                     await requests.put(i)

@@ -239,3 +239,31 @@ async def test_cancelled_lease_consumes_nothing() -> None:
         with pytest.raises(anyio.EndOfStream):
             async with r.lease():
                 pass
+
+
+async def test_spin_catches_a_message_without_a_wake_up() -> None:
+    with aioshmq.create(capacity=1 << 16) as w, aioshmq.connect(w.name, spin=1.0) as r:
+        got: list[str] = []
+
+        async def getter() -> None:
+            got.append(await r.get())
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(getter)
+            for _ in range(3):
+                await anyio.lowlevel.checkpoint()  # the getter is now spinning, not asleep
+            await w.put("fast")
+        assert got == ["fast"]
+        assert w.statistics().wakeups_sent == 0
+
+
+async def test_no_spin_sleeps_at_once() -> None:
+    with aioshmq.create(capacity=1 << 16) as w, aioshmq.connect(w.name, spin=0) as r:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(r.get)
+            await anyio.wait_all_tasks_blocked()
+            assert r.statistics().tasks_waiting_receive == 1
+            await w.put("slow")
+        assert w.statistics().wakeups_sent == 1
+        with pytest.raises(ValueError, match="spin"):
+            aioshmq.connect(w.name, spin=-1)
