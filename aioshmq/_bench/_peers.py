@@ -175,6 +175,7 @@ class AioshmqChannel(Channel):
     """An aioshmq ring, made by the sender under a name chosen here, attached to by name."""
 
     broadcast = True
+    spin: float | None = None  #: the readers' spin before sleeping (None: the default)
 
     def _make(self) -> None:
         self.name = f"bench-{os.getpid()}-{secrets.token_hex(6)}"
@@ -188,7 +189,10 @@ class AioshmqChannel(Channel):
         deadline = time.monotonic() + CONNECT_TIMEOUT
         while True:
             try:
-                reader = aioshmq.connect(self.name, reader=index)
+                if self.spin is None:
+                    reader = aioshmq.connect(self.name, reader=index)
+                else:
+                    reader = aioshmq.connect(self.name, reader=index, spin=self.spin)
             except FileNotFoundError:
                 if time.monotonic() > deadline:
                     raise
@@ -435,3 +439,14 @@ FASTER_FIFO = Peer(
     ("faster_fifo",),
 )
 EVENTFD = Peer("eventfd", EventfdChannel, "os.eventfd + anyio.wait_readable, no payload", "-")
+
+
+class AioshmqSleepingChannel(AioshmqChannel):
+    """An aioshmq ring whose readers sleep at once (``spin=0``): every message wakes one."""
+
+    spin = 0.0
+
+
+AIOSHMQ_ASLEEP = Peer(
+    "aioshmq", AioshmqSleepingChannel, "two rings, readers with spin=0", "put_many/get_many(64)"
+)

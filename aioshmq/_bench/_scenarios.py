@@ -32,6 +32,7 @@ from ._loops import (
 )
 from ._peers import (
     AIOSHMQ,
+    AIOSHMQ_ASLEEP,
     EVENTFD,
     FASTER_FIFO,
     MP_QUEUE,
@@ -409,15 +410,27 @@ def large(bench: Bench) -> None:
 
 
 def latency(bench: Bench) -> None:
-    """Ping-pong of a 100-byte object between two processes: p50 and p99 round trip."""
+    """Ping-pong of a 100-byte object between two processes: p50 and p99 round trip, with
+    aioshmq's default short spin and with its readers sleeping at once (every message then
+    has to wake its peer, as the eventfd floor does)."""
     for peer in (AIOSHMQ, EVENTFD, ZMQ, MP_QUEUE, FASTER_FIFO):
-        how = "two rings" if peer is AIOSHMQ else peer.how
+        how = "two rings, default spin" if peer is AIOSHMQ else peer.how
         bench.measure(
             "latency",
             "round trip",
             peer.name,
             {"p50": "us", "p99": "us"},
             {"object_bytes": 100, "how": how, "backend": "asyncio"},
+            partial(_latency, bench, peer),
+            absent=peer.missing(),
+        )
+    for peer in (AIOSHMQ_ASLEEP, EVENTFD):
+        bench.measure(
+            "latency",
+            "round trip, peer asleep",
+            peer.name,
+            {"p50": "us", "p99": "us"},
+            {"object_bytes": 100, "how": peer.how, "backend": "asyncio"},
             partial(_latency, bench, peer),
             absent=peer.missing(),
         )
