@@ -67,15 +67,6 @@ class _Conn:
             self.pidfd = -1
 
 
-@dataclass
-class Departure:
-    """A reader that left its slot: cleanly (closed) or not (its process ended)."""
-
-    index: int
-    pid: int
-    clean: bool
-
-
 class Broker:
     """Serves attach requests for one ring and notices when a reader goes away."""
 
@@ -99,7 +90,6 @@ class Broker:
         self.serializer = serializer
         self.on_change = on_change
         self.detach_dead = detach_dead
-        self.departures: list[Departure] = []
         self._dead_pids: dict[int, int] = {}
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
@@ -199,7 +189,6 @@ class Broker:
             else:
                 self._dead_pids[index] = conn.pid
                 self.ring.detach(index, DEAD)
-            self.departures.append(Departure(index, conn.pid, conn.bye))
         if conn.bye:
             try:
                 conn.sock.send(BYE)
