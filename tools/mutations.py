@@ -66,7 +66,7 @@ M = [
     (
         "model: reader count",
         "aioshmq/_ring.py",
-        "        if size:\n            self.tail += size\n            self.count += 1",
+        "        if size:\n            self.tail += size\n            self.count += self.messages",
         "        if size:\n            self.tail += size",
         "tests/test_model.py::test_model[asyncio]",
     ),
@@ -94,8 +94,8 @@ M = [
     (
         "interrupt: sleep flag",
         "aioshmq/_reader.py",
-        "            finally:\n                ring.end_sleep()\n                self._wake.drain()\n            if not ring.available():\n                self._writer_gone()",
-        "            finally:\n                self._wake.drain()\n            if not ring.available():\n                self._writer_gone()",
+        "            finally:\n                ring.end_sleep()\n            if not ring.available():\n                self._writer_gone()",
+        "            finally:\n                pass\n            if not ring.available():\n                self._writer_gone()",
         "tests/test_end.py::test_keyboard_interrupt_in_get_sync",
     ),
     (
@@ -107,6 +107,7 @@ M = [
     ),
 ]
 only = sys.argv[1:]
+failures = 0
 for name, path, old, new, test in M:
     if only and not any(o in name for o in only):
         continue
@@ -119,6 +120,7 @@ for name, path, old, new, test in M:
         s = f.read()
     if s.count(old) != 1:
         print(f"{name}: PATTERN NOT FOUND ({s.count(old)})", flush=True)
+        failures += 1
         continue
     with open(p, "w") as f:
         f.write(s.replace(old, new))
@@ -141,7 +143,9 @@ for name, path, old, new, test in M:
         env={**os.environ, "PYTHONPATH": WORK},
     )
     last = (r.stdout.strip().splitlines() or ["?"])[-1]
+    failures += r.returncode == 0
     print(
         f"{name}: {'CAUGHT' if r.returncode != 0 else 'MISSED'} -- {path}: {old.strip().splitlines()[0]!r} -> {new.strip().splitlines()[0]!r} -- {test} -- {last}",
         flush=True,
     )
+sys.exit(1 if failures else 0)
