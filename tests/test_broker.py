@@ -200,7 +200,7 @@ async def test_attach_by_handle_under_pytest_asyncio(method: str, children: Chil
 # -- peers that die ------------------------------------------------------------------------
 
 
-def _attach_and_hang(name: str, index: int, keep_socket_alive: bool) -> None:
+def _attach_and_hang(name: str, index: int, keep_socket_alive: bool, ready: Any) -> None:
     """Attach, read nothing, wait to be killed.  Optionally leave a copy of the connection
     in an unrelated process, so only the pidfd can tell that this one died."""
     import subprocess
@@ -210,16 +210,20 @@ def _attach_and_hang(name: str, index: int, keep_socket_alive: bool) -> None:
     if keep_socket_alive:
         fd = os.dup(r._sock.fileno())
         subprocess.Popen(["sleep", "30"], pass_fds=(fd,), start_new_session=True)
-    print("attached", flush=True)
+    ready.set()  # the copy exists before anybody kills this process
     time.sleep(600)
 
 
 async def _spawn_hanging_reader(
     children: Children, name: str, index: int, keep_socket_alive: bool = False
 ) -> int:
+    import multiprocessing
+
+    ready = multiprocessing.get_context("spawn").Event()
     proc = await anyio.to_thread.run_sync(
-        children.start, "spawn", _attach_and_hang, name, index, keep_socket_alive
+        children.start, "spawn", _attach_and_hang, name, index, keep_socket_alive, ready
     )
+    assert await anyio.to_thread.run_sync(ready.wait, 60)
     assert proc.pid is not None
     return proc.pid
 

@@ -291,3 +291,17 @@ def test_name_taken() -> None:
         with pytest.raises(FileExistsError, match="taken-name"):
             aioshmq.create(capacity=1 << 16, name="taken-name")
         assert w.name == "taken-name"
+
+
+async def test_cancelled_multi_record_batch_publishes_nothing() -> None:
+    """A batch written as several records (raw messages) is rolled back whole when its
+    put_many is cancelled half-way: some of its records were written, none published."""
+    with aioshmq.create(capacity=1 << 16, max_messages=4, serializer="raw") as w:
+        with aioshmq.connect(w.name) as r:
+            await w.put_many([b"0", b"1"])
+            with anyio.move_on_after(0.05) as scope:
+                await w.put_many([b"2", b"3", b"4"])  # 2 and 3 fit now, 4 must wait
+            assert scope.cancelled_caught
+            assert await r.get_many() == [b"0", b"1"]
+            await w.put_many([b"5", b"6"])
+            assert await r.get_many() == [b"5", b"6"]
