@@ -25,7 +25,6 @@ from ._serialize import SerializerSpec, resolve
 T = TypeVar("T")
 
 OnReaderDeath = Literal["raise", "detach"]
-_DONE: Any = object()
 
 
 @dataclass(frozen=True)
@@ -287,7 +286,7 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         frames = self._batch(list(objs))
         await self._pace()
         self._check()
-        if len(frames) == 1 and not frames[0].parts[0][0] and frames[0].kind & ~L.BATCH == L.MSG:
+        if len(frames) == 1 and not frames[0].kind & L.OOB:  # one record, no buffers
             frame = frames[0]
             if not self._lock.locked() and self._ring.put_plain(
                 frame.parts[0][1], frame.kind, frame.count
