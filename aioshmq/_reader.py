@@ -83,11 +83,12 @@ def connect(
 class Lease(Generic[T]):
     """A message read in place: valid inside ``async with``, released at its end."""
 
-    __slots__ = ("_reader", "mark")
+    __slots__ = ("_reader", "mark", "spare")
 
     def __init__(self, reader: Reader[T]) -> None:
         self._reader = reader
-        self.mark: tuple[int, int] | None = None
+        self.mark: tuple[int, int] | None = None  # the pinned record of a message in the ring
+        self.spare: bytearray | None = None  # the reassembly buffer of a fragmented message
 
     async def __aenter__(self) -> T:
         if self.mark is not None:
@@ -182,9 +183,12 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         payload, kind, size = msg
         try:
             main, buffers = decode(payload, kind)
-            if lease is not None and size and not kind & L.BATCH:
+            if lease is not None and not kind & L.BATCH:
                 obj = self._ser.loads_view(main, buffers)
-                lease.mark = ring.pin()
+                if size:
+                    lease.mark = ring.pin()
+                else:  # reassembled: its buffer may serve the next one once the lease ends
+                    lease.spare = payload.obj  # type: ignore[assignment]
             else:
                 if buffers and size:  # out-of-band buffers still in the ring: copy them out
                     buffers = [bytearray(b) for b in buffers]  # type: ignore[misc]
@@ -279,7 +283,9 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
     def _end_lease(self, lease: Lease[T]) -> None:
         if lease.mark is not None and not self._closed:
             self._ring.unpin(lease.mark)
-        lease.mark = None
+        if lease.spare is not None:
+            self._ring.spare = lease.spare
+        lease.mark = lease.spare = None
 
     async def get(self) -> T:
         """The next message; waits for one.  EndOfStream after the writer closed."""

@@ -29,6 +29,7 @@ DEAD: Final = 3  # its process ended without closing: still waited for, so the w
 
 _U64 = struct.Struct("<Q")
 _TABLE_HEAD = struct.Struct("<QQ")
+_TABLE_ONE = struct.Struct("<3Q")
 
 
 def _episode() -> int:
@@ -61,16 +62,26 @@ class Frame:
             self.parts: list[tuple[int, Buffer]] = [(0, main)]
             return
         main_len = main.nbytes if isinstance(main, memoryview) else len(main)
-        table = struct.pack(
-            f"<{len(buffers) + 2}Q", len(buffers), main_len, *(b.nbytes for b in buffers)
-        )
-        offset = len(table)
-        parts: list[tuple[int, Buffer]] = [(0, table), (offset, main)]
-        offset += main_len
-        for b in buffers:
-            offset = L.align(offset, L.RECORD_ALIGN)
-            parts.append((offset, b))
-            offset += b.nbytes
+        if len(buffers) == 1:  # the usual case (one array), spared the general packing
+            buf = buffers[0]
+            offset = (24 + main_len + 15) & -16
+            parts: list[tuple[int, Buffer]] = [
+                (0, _TABLE_ONE.pack(1, main_len, buf.nbytes)),
+                (24, main),
+                (offset, buf),
+            ]
+            offset += buf.nbytes
+        else:
+            table = struct.pack(
+                f"<{len(buffers) + 2}Q", len(buffers), main_len, *(b.nbytes for b in buffers)
+            )
+            offset = len(table)
+            parts = [(0, table), (offset, main)]
+            offset += main_len
+            for b in buffers:
+                offset = L.align(offset, L.RECORD_ALIGN)
+                parts.append((offset, b))
+                offset += b.nbytes
         self.kind = L.MSG | L.OOB | batch
         self.length = offset
         self.parts = parts
@@ -214,10 +225,10 @@ class RingWriter:
         self.q[i] = (frame.length << 8) | frame.kind
         self.q[i + 1] = frame.aux
         start = off + L.HEADER_SIZE
-        if len(frame.parts) == 1:
-            self.data[start : start + frame.length] = frame.parts[0][1]
-        else:
-            frame.copy_into(self.data[start : start + frame.length])
+        data = self.data
+        for offset, part in frame.parts:
+            at = start + offset
+            data[at : at + len(part)] = part
         self.pos += size
         self.count += frame.count
         return True
@@ -401,6 +412,7 @@ class RingReader:
         self.messages = 1  # how many messages the record next() returned holds
         self.pins: list[tuple[int, int]] = []  # records of leased messages, oldest first
         self.partial: bytearray | None = None  # a fragmented message being reassembled
+        self.spare: bytearray | None = None  # a finished lease's buffer, reused (no page faults)
         self.partial_kind = 0
         self.partial_len = 0
         self.skipping = False  # joined in the middle of a fragmented message
@@ -492,7 +504,8 @@ class RingReader:
             total = self.q[(off >> 3) + 1]
             if total > L.MAX_MESSAGE or length > total:
                 raise CorruptedError(f"fragmented message at {self.tail} claims {total} bytes")
-            self.partial = bytearray(total)
+            spare, self.spare = self.spare, None
+            self.partial = spare if spare is not None and len(spare) == total else bytearray(total)
             self.partial_kind = (kind & L.OOB) | L.MSG
             self.partial_len = 0
             self.skipping = False

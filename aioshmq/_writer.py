@@ -263,11 +263,21 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         if time.monotonic() >= self._next_yield:
             await self._pace()
             self._check()
-        if not buffers and not self._lock.locked() and self._ring.put_plain(main):
-            self._messages += 1
-            self._bytes += len(main)
+        ring = self._ring
+        if not buffers:
+            if not self._lock.locked() and ring.put_plain(main):
+                self._messages += 1
+                self._bytes += len(main)
+                return
+            await self._run([Frame(main, buffers)])
             return
-        await self._run([Frame(main, buffers)])
+        frame = Frame(main, buffers)
+        if not self._lock.locked() and ring.fits_whole(frame) and ring.try_write(frame):
+            ring.publish()
+            self._messages += 1
+            self._bytes += frame.length
+            return
+        await self._run([frame])
 
     async def send(self, item: T) -> None:
         """Same as ``put`` (the anyio stream interface)."""

@@ -226,6 +226,28 @@ async def test_lease_of_a_numpy_array_is_zero_copy() -> None:
         assert not start <= copied.ctypes.data < end  # get() copies out
 
 
+async def test_leases_of_fragmented_messages_reuse_one_buffer_and_get_never_does() -> None:
+    np = pytest.importorskip("numpy")
+    with aioshmq.create(capacity=1 << 16) as w, aioshmq.connect(w.name) as r:
+        size = 200_000  # three times the ring: sent in fragments, reassembled
+        sent = [np.full(size, i, dtype=np.uint8) for i in range(4)]
+        addresses = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(w.put_many, sent)
+            for i in range(2):
+                async with r.lease() as got:
+                    assert got.shape == (size,) and np.array_equal(got, sent[i])
+                    addresses.append(got.ctypes.data)
+                    del got
+            kept = await r.get()  # owned by the caller: never handed to a later message
+            async with r.lease() as got:
+                assert np.array_equal(got, sent[3])
+                assert got.ctypes.data != kept.ctypes.data
+                del got
+        assert addresses[0] == addresses[1]  # the first lease's buffer served the second
+        assert np.array_equal(kept, sent[2])  # and a later lease did not write over a get's
+
+
 async def test_cancelled_lease_consumes_nothing() -> None:
     with aioshmq.create(capacity=1 << 16) as w, aioshmq.connect(w.name) as r:
         with anyio.move_on_after(0.05) as scope:

@@ -39,6 +39,36 @@ async def test_numpy_arrays_arrive_intact_and_writable() -> None:
         assert np.array_equal(await r.get(), arrays[0])
 
 
+def test_array_pickles_reused_per_dtype_and_shape_load_as_pickle_would() -> None:
+    ser = PickleSerializer()
+    cases = [
+        np.arange(12, dtype=np.int32),
+        np.arange(12, dtype=np.int32)[::-1].copy(),  # same dtype and shape, other data
+        np.arange(12, dtype=np.int32).reshape(3, 4),  # same dtype, other shape
+        np.arange(12, dtype=np.float64),  # same shape, other dtype
+        np.arange(12, dtype=">i4"),  # not native: the plain pickle path
+        np.asfortranarray(np.arange(12).reshape(3, 4)),  # not C-contiguous
+        np.zeros(3, dtype=[("a", "i4"), ("b", "f8")]),  # structured
+        np.array([1, "x", None], dtype=object),  # in-band
+        np.float64(2.5),  # a numpy scalar, not an array
+    ]
+    for _ in range(2):  # the second round is served by the cache
+        for arr in cases:
+            main, buffers = ser.dumps(arr)
+            reference_buffers: list[pickle.PickleBuffer] = []
+            reference = pickle.dumps(arr, protocol=5, buffer_callback=reference_buffers.append)
+            assert bytes(main) == reference
+            assert [bytes(b) for b in buffers] == [bytes(b.raw()) for b in reference_buffers]
+            got = pickle.loads(main, buffers=buffers)
+            assert type(got) is type(arr) and got.dtype == arr.dtype
+            assert got.shape == arr.shape and np.array_equal(got, arr)
+    for n in range(200):  # more shapes than the cache holds: it stays bounded
+        arr = np.full(n, n, dtype=np.uint16)
+        main, buffers = ser.dumps(arr)
+        assert np.array_equal(pickle.loads(main, buffers=buffers), arr)
+    assert len(ser._arrays) <= 64
+
+
 async def test_out_of_band_buffers_are_aligned_in_the_ring() -> None:
     with aioshmq.create(capacity=1 << 20) as w, aioshmq.connect(w.name) as r:
         await w.put(("x" * 3, np.arange(5, dtype=np.complex128)))
