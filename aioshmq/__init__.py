@@ -1,5 +1,6 @@
 """aioshmq: one writer broadcasts Python objects to N reader processes through shared memory."""
 
+from . import rpc
 from ._errors import CorruptedError, Empty, Full, PeerDied
 from ._reader import Lease, Reader, ReaderStatistics, connect
 from ._writer import Handle, Writer, WriterStatistics, create
@@ -17,5 +18,6 @@ __all__ = [
     "WriterStatistics",
     "connect",
     "create",
+    "rpc",
 ]
 __version__ = "0.1.0"

@@ -166,6 +166,7 @@ class RingWriter:
         self.limit_pos = self.cap  # the cursor may advance up to here without re-checking
         self.limit_count = layout.max_messages
         self.wakeups = 0
+        self.publishes = 0
         self.episode = _episode()
         self.need = (0, 0)  # (bytes, messages) the last failed write was waiting for
         self.max_record = layout.max_record
@@ -299,6 +300,7 @@ class RingWriter:
         w[self.w_count] = self.count
         w[self.w_head] = self.pos
         self.head, self.head_count = self.pos, self.count
+        self.publishes += 1
         fence()
         self._wake_readers()
 

@@ -1,0 +1,739 @@
+"""Batched RPC from one async scheduler to N worker processes over aioshmq rings.
+
+The scheduler's ``Client`` writes every call into one broadcast ring read by all workers;
+each worker answers through a reply ring of its own.  Calls submitted in one event-loop
+turn leave as one batch: one record, one publish, at most one wake-up per sleeping worker.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import itertools
+import logging
+import secrets
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, NamedTuple
+
+import anyio
+from anyio.abc import TaskGroup
+from anyio.lowlevel import checkpoint
+
+from ._errors import Empty, PeerDied
+from ._reader import DEFAULT_SPIN, Reader, connect
+from ._serialize import Serializer, SerializerSpec, resolve
+from ._writer import Writer, create
+
+__all__ = [
+    "Call",
+    "Client",
+    "ClientStatistics",
+    "RemoteError",
+    "RemoteTraceback",
+    "RpcHandle",
+    "serve",
+    "serve_sync",
+]
+
+_log = logging.getLogger("aioshmq.rpc")
+
+REPLY_CAPACITY = 8 << 20  #: default bytes of each worker's reply ring
+FLUSH_AFTER = 0.0005  #: a worker holds finished replies back at most this long (s) for a batch
+_ALL = -1  # in a call message: every worker that runs the call replies
+
+# A call on the wire: (id, method, args, kwargs, ranks that run it or None for all, the one
+# rank that replies or _ALL).  A reply: (id, ok, result) or (id, False, (exception, text)).
+_Message = tuple[int, Any, tuple[Any, ...], dict[str, Any], tuple[int, ...] | None, int]
+
+
+@dataclass(frozen=True)
+class RpcHandle:
+    """What a worker needs to serve a client: picklable, valid in any process of the user."""
+
+    name: str
+    workers: int
+    serializer: str  #: the serializer's name; "custom" means ``serve`` must be given it
+
+
+def _reply_name(name: str, rank: int) -> str:
+    return f"{name}.reply{rank}"
+
+
+class RemoteTraceback(Exception):
+    """The traceback text of an exception raised in a worker (set as its ``__cause__``)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class RemoteError(Exception):
+    """A worker's exception that could not travel as itself (it did not pickle and load)."""
+
+    def __init__(self, message: str, type_name: str) -> None:
+        super().__init__(message)
+        self.type_name = type_name  #: the qualified name of the original exception's type
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.args[0], self.type_name)
+
+
+class ClientStatistics(NamedTuple):
+    workers: int
+    calls_submitted: int  #: calls accepted by submit() or call()
+    calls_pending: int  #: submitted calls whose results have not all arrived
+    batches_sent: int  #: publishes of the call ring: batches of calls made visible at once
+    replies_received: int  #: replies read from the workers
+    wakeups_sent: int  #: wake-up syscalls made to sleeping workers
+
+
+class Call:
+    """A submitted call: ``await`` it for its result (a list, or one value with
+    ``unique_reply_rank``).  Cancelling the task that awaits it withdraws the call: it is
+    not sent if it is still queued, and its replies are dropped when they arrive."""
+
+    __slots__ = (
+        "_client",
+        "_error",
+        "_errors",
+        "_event",
+        "_message",
+        "_missing",
+        "_ranks",
+        "_results",
+        "_unique",
+        "id",
+        "method",
+    )
+
+    def __init__(self, client: Client, message: _Message, ranks: tuple[int, ...], unique: int):
+        self._client = client
+        self._message: _Message | None = message
+        self.id: int = message[0]
+        self.method: str = message[1] if isinstance(message[1], str) else repr(message[1])
+        self._ranks = ranks
+        self._unique = unique
+        self._missing = {unique} if unique != _ALL else set(ranks)
+        self._results: dict[int, Any] = {}
+        self._errors: dict[int, BaseException] = {}
+        self._error: BaseException | None = None
+        self._event: anyio.Event | None = None
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else f"waiting for workers {sorted(self._missing)}"
+        return f"<aioshmq.rpc.Call {self.id} {self.method!r} {state}>"
+
+    def done(self) -> bool:
+        return not self._missing or self._error is not None
+
+    def cancel(self) -> None:
+        """Withdraw the call; awaiting it afterwards raises ``anyio.ClosedResourceError``."""
+        if not self.done():
+            self._finish(anyio.ClosedResourceError(f"call {self.id} ({self.method}) was withdrawn"))
+
+    def _deliver(self, rank: int, ok: bool, value: Any) -> None:
+        if rank not in self._missing:
+            return
+        self._missing.discard(rank)
+        if ok:
+            self._results[rank] = value
+        else:
+            self._errors[rank] = _rebuild(value, rank, self._client.name)
+        if not self._missing:
+            self._client._pending.pop(self.id, None)
+            if self._event is not None:
+                self._event.set()
+
+    def _finish(self, error: BaseException) -> None:
+        self._error = error
+        self._message = None
+        self._client._pending.pop(self.id, None)
+        if self._event is not None:
+            self._event.set()
+
+    def _outcome(self) -> Any:
+        if self._error is not None:
+            raise self._error
+        if self._errors:
+            raise self._errors[min(self._errors)]
+        if self._unique != _ALL:
+            return self._results[self._unique]
+        return [self._results[rank] for rank in self._ranks]
+
+    async def wait(self) -> Any:
+        """The result; raises what the call raised in a worker, or PeerDied."""
+        if self.done():
+            await checkpoint()
+            return self._outcome()
+        if self._event is None:
+            self._event = anyio.Event()
+        try:
+            await self._event.wait()
+        except BaseException:
+            self.cancel()
+            raise
+        return self._outcome()
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self.wait().__await__()
+
+
+def _rebuild(value: Any, rank: int, name: str) -> BaseException:
+    """The exception a worker sent back, with its traceback text attached."""
+    sent, text = value
+    exc = sent if isinstance(sent, BaseException) else RemoteError(repr(sent), "?")
+    exc.__cause__ = RemoteTraceback(text)
+    exc.add_note(f"raised in worker {rank} of aioshmq.rpc client {name!r}")
+    return exc
+
+
+def _check_rank(what: str, value: object, workers: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int, not {type(value).__name__}")
+    if not 0 <= value < workers:
+        raise ValueError(f"{what}={value} is out of range: workers are 0..{workers - 1}")
+    return value
+
+
+class Client:
+    """The scheduler's end: calls to ``workers`` worker processes, results back.
+
+    Use it as ``async with Client(n) as client``: that starts its tasks (one sends batches,
+    one per worker collects replies) and, on leaving, closes the rings, which stops the
+    workers' ``serve``.  Pass ``client.handle`` to the workers.  Calls submitted before the
+    workers attach wait for them.  ``workers`` and ``unique_reply_rank`` are keywords of
+    ``call``/``submit`` themselves, never passed on to the method.
+    """
+
+    def __init__(
+        self,
+        workers: int,
+        *,
+        capacity: int = 16 << 20,
+        max_messages: int = 1 << 16,
+        serializer: SerializerSpec = "pickle",
+        name: str | None = None,
+        spin: float = DEFAULT_SPIN,
+    ) -> None:
+        if isinstance(workers, bool) or not isinstance(workers, int):
+            raise TypeError(f"workers must be an int, not {type(workers).__name__}")
+        if workers < 1:
+            raise ValueError(f"workers={workers} is too small: it must be at least 1")
+        self._workers = workers
+        self._ser_spec = serializer
+        self._spin = spin
+        self._calls: Writer[Any] = create(
+            capacity,
+            max_messages,
+            workers,
+            serializer=serializer,
+            name=name or f"rpc-{secrets.token_hex(6)}",
+        )
+        self._ser: Serializer = self._calls._ser
+        self._replies: list[Reader[Any]] = []
+        self._pending: dict[int, Call] = {}
+        self._outbox: list[Call] = []
+        self._expected: list[deque[int]] = [deque() for _ in range(workers)]
+        self._ids = itertools.count(1)
+        self._kick: anyio.Event | None = None
+        self._ready: anyio.Event | None = None
+        self._tg: TaskGroup | None = None
+        self._failure: BaseException | None = None
+        self._closed = False
+        self._submitted = self._received = 0
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<aioshmq.rpc.Client {self.name!r} workers={self._workers} {state}>"
+
+    @property
+    def name(self) -> str:
+        return self._calls.name
+
+    @property
+    def handle(self) -> RpcHandle:
+        return RpcHandle(self._calls.name, self._workers, self._ser.name)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Client:
+        if self._tg is not None or self._closed:
+            raise RuntimeError("this client was already started")
+        self._ready = anyio.Event()
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        self._tg = tg
+        tg.start_soon(self._run)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        tg = self._tg
+        self._shut(anyio.ClosedResourceError("the aioshmq.rpc client was closed"))
+        if tg is not None:
+            tg.cancel_scope.cancel()
+            await tg.__aexit__(exc_type, exc, tb)
+        self._release()
+        return None
+
+    async def aclose(self) -> None:
+        """Close the client (the workers then stop serving); pending calls fail."""
+        if self._tg is not None:
+            self._tg.cancel_scope.cancel()
+        self._shut(anyio.ClosedResourceError("the aioshmq.rpc client was closed"))
+        self._release()
+        await checkpoint()
+
+    def _shut(self, error: BaseException) -> None:
+        if not self._closed:
+            self._closed = True
+            self._fail(error)
+
+    def _release(self) -> None:
+        # Readers first: their goodbye reaches workers that are still serving.
+        for reader in self._replies:
+            reader.close()
+        self._calls.close()
+
+    def _fail(self, error: BaseException) -> None:
+        """Fail every pending call and every later one with ``error``."""
+        if self._failure is None:
+            self._failure = error
+        for call in list(self._pending.values()):
+            call._finish(self._failure)
+        self._outbox.clear()
+        if self._ready is not None:
+            self._ready.set()
+        if self._kick is not None:
+            self._kick.set()
+
+    def _raise_failure(self) -> None:
+        failure = self._failure
+        if failure is None:
+            return
+        if isinstance(failure, PeerDied):
+            raise PeerDied(str(failure), role=failure.role, pid=failure.pid, index=failure.index)
+        raise type(failure)(*failure.args)
+
+    # -- calls -------------------------------------------------------------------------------
+
+    def submit(
+        self,
+        method: str | Callable[..., Any],
+        /,
+        *args: Any,
+        workers: Sequence[int] | None = None,
+        unique_reply_rank: int | None = None,
+        **kwargs: Any,
+    ) -> Call:
+        """Queue ``target.method(*args, **kwargs)`` on the workers; returns at once.
+
+        ``method`` is a method name, or a function called as ``method(target, *args,
+        **kwargs)`` (it must pickle: cloudpickle for lambdas).  ``workers`` picks the ranks
+        that run it (all by default); with ``unique_reply_rank`` they all run it but only
+        that rank replies, and the call's result is that one value.
+        """
+        self._raise_failure()
+        if self._closed:
+            raise anyio.ClosedResourceError("the aioshmq.rpc client is closed")
+        if self._tg is None:
+            raise RuntimeError("start the client first: async with client: ...")
+        if not (isinstance(method, str) and method) and not callable(method):
+            raise TypeError(f"method must be a method name or a function, not {method!r}")
+        n = self._workers
+        if workers is None:
+            ranks: tuple[int, ...] = tuple(range(n))
+            targets = None
+        else:
+            ranks = tuple(_check_rank("workers[]", rank, n) for rank in workers)
+            if not ranks:
+                raise ValueError("workers=[] names no worker")
+            if len(set(ranks)) != len(ranks):
+                raise ValueError(f"workers={list(ranks)} names a worker twice")
+            targets = ranks
+        unique = _ALL
+        if unique_reply_rank is not None:
+            unique = _check_rank("unique_reply_rank", unique_reply_rank, n)
+            if unique not in ranks:
+                raise ValueError(f"unique_reply_rank={unique} is not among workers={list(ranks)}")
+        message: _Message = (next(self._ids), method, args, kwargs, targets, unique)
+        call = Call(self, message, ranks, unique)
+        self._pending[call.id] = call
+        self._outbox.append(call)
+        self._submitted += 1
+        if self._kick is not None:
+            self._kick.set()
+        return call
+
+    async def call(
+        self,
+        method: str | Callable[..., Any],
+        /,
+        *args: Any,
+        workers: Sequence[int] | None = None,
+        unique_reply_rank: int | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """``submit`` and wait: the list of the workers' results (in the order of
+        ``workers``), or the one result of ``unique_reply_rank``."""
+        call = self.submit(
+            method, *args, workers=workers, unique_reply_rank=unique_reply_rank, **kwargs
+        )
+        return await call.wait()
+
+    async def wait_workers(self) -> None:
+        """Return once every worker has attached (PeerDied if one died meanwhile)."""
+        if self._ready is None:
+            raise RuntimeError("start the client first: async with client: ...")
+        await self._ready.wait()
+        self._raise_failure()
+
+    def statistics(self) -> ClientStatistics:
+        stats = self._calls.statistics()
+        return ClientStatistics(
+            workers=self._workers,
+            calls_submitted=self._submitted,
+            calls_pending=len(self._pending),
+            batches_sent=self._calls._ring.publishes,
+            replies_received=self._received,
+            wakeups_sent=stats.wakeups_sent,
+        )
+
+    # -- the client's tasks ------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        try:
+            await self._calls.wait_readers()
+            for rank in range(self._workers):
+                self._replies.append(await self._connect_reply(rank))
+        except PeerDied as exc:
+            self._fail(_worker_died(exc.index or 0, exc.pid, "before it was ready"))
+            return
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError) as exc:
+            self._fail(exc)
+            return
+        assert self._tg is not None and self._ready is not None
+        for rank, reader in enumerate(self._replies):
+            self._tg.start_soon(self._receive, rank, reader)
+        self._ready.set()
+        await self._send()
+
+    async def _connect_reply(self, rank: int) -> Reader[Any]:
+        serializer = self._ser_spec if self._ser.name == "custom" else None
+        await checkpoint()
+        try:
+            # Made in this thread, so its lock is this loop's; the broker answers at once.
+            return connect(_reply_name(self.name, rank), 0, serializer=serializer, spin=self._spin)
+        except (FileNotFoundError, ConnectionError) as exc:
+            raise _worker_died(rank, 0, "before its reply ring was reached") from exc
+
+    async def _send(self) -> None:
+        """Write what was submitted, as one batch per wake of this task."""
+        while self._failure is None:
+            if not self._outbox:
+                self._kick = anyio.Event()
+                await self._kick.wait()
+                continue
+            batch, self._outbox = self._outbox, []
+            calls = [call for call in batch if call._message is not None]
+            if not calls:
+                continue
+            try:
+                await self._calls.put_many([call._message for call in calls])
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError) as exc:
+                if isinstance(exc, PeerDied):
+                    exc = _worker_died(exc.index or 0, exc.pid, "")
+                self._fail(exc)
+                return
+            except Exception as exc:  # a call's arguments did not serialize
+                calls = self._drop_unserializable(calls, exc)
+                if calls:
+                    self._outbox[:0] = calls
+                continue
+            for call in calls:
+                call._message = None
+                for rank in call._missing:
+                    self._expected[rank].append(call.id)
+
+    def _drop_unserializable(self, calls: list[Call], error: Exception) -> list[Call]:
+        """Fail the calls whose message does not serialize; the others, to send again."""
+        good = []
+        for call in calls:
+            try:
+                self._ser.dumps(call._message)
+            except Exception as exc:
+                failure = TypeError(
+                    f"the arguments of call {call.id} ({call.method}) "
+                    f"could not be serialized: {exc}"
+                )
+                failure.__cause__ = exc
+                call._finish(failure)
+            else:
+                good.append(call)
+        if len(good) == len(calls):  # not a serialization problem after all
+            raise error
+        return good
+
+    async def _receive(self, rank: int, reader: Reader[Any]) -> None:
+        expected = self._expected[rank]
+        pending = self._pending
+        while True:
+            try:
+                replies = await reader.get_many()
+            except anyio.EndOfStream:
+                self._fail(_worker_died(rank, 0, "stopped serving"))
+                return
+            except PeerDied as exc:
+                self._fail(_worker_died(rank, exc.pid, ""))
+                return
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError) as exc:
+                self._fail(exc)
+                return
+            except Exception as exc:  # a reply that did not load
+                # Replies come in call order, so it answers the oldest call still expected.
+                if expected:
+                    call = pending.get(expected.popleft())
+                    if call is not None:
+                        failure = TypeError(
+                            f"worker {rank}'s reply to call {call.id} ({call.method}) "
+                            f"could not be loaded: {exc}"
+                        )
+                        failure.__cause__ = exc
+                        call._finish(failure)
+                continue
+            self._received += len(replies)
+            for cid, ok, value in replies:
+                while expected and expected.popleft() != cid:
+                    pass
+                call = pending.get(cid)
+                if call is not None:
+                    call._deliver(rank, ok, value)
+
+
+def _worker_died(rank: int, pid: int, when: str) -> PeerDied:
+    who = f"worker {rank}" + (f" (pid {pid})" if pid else "")
+    what = "stopped serving" if when == "stopped serving" else f"died {when}".rstrip()
+    return PeerDied(f"aioshmq.rpc: {who} {what}", role="worker", pid=pid, index=rank)
+
+
+# -- the worker's side ---------------------------------------------------------------------------
+
+
+def _method(target: object, method: Any) -> Callable[..., Any]:
+    if not isinstance(method, str):
+        return functools.partial(method, target)
+    if method.startswith("_"):
+        raise AttributeError(f"{method!r} is private: only public methods can be called")
+    fn = getattr(target, method, None)
+    if fn is None or not callable(fn):
+        raise AttributeError(f"{type(target).__qualname__} object has no method {method!r}")
+    return fn  # type: ignore[no-any-return]
+
+
+class _Worker:
+    """What ``serve`` and ``serve_sync`` share: the rings, and turning calls into replies."""
+
+    def __init__(
+        self,
+        handle: RpcHandle,
+        rank: int,
+        target: object,
+        serializer: SerializerSpec | None,
+        capacity: int,
+        spin: float,
+    ) -> None:
+        if not isinstance(handle, RpcHandle):
+            raise TypeError(f"handle must be an aioshmq.rpc.RpcHandle, not {type(handle).__name__}")
+        self.rank = _check_rank("rank", rank, handle.workers)
+        if handle.serializer == "custom" and serializer is None:
+            raise ValueError(
+                f"client {handle.name!r} uses a custom serializer: pass the same one as "
+                "serve(..., serializer=...)"
+            )
+        spec = serializer if serializer is not None else handle.serializer
+        self.target = target
+        self.ser = resolve(spec)
+        self.replies: Writer[Any] = create(
+            capacity, 1 << 16, 1, serializer=spec, name=_reply_name(handle.name, rank)
+        )
+        try:
+            self.calls: Reader[Any] = connect(handle.name, rank, serializer=spec, spin=spin)
+        except BaseException:
+            self.replies.close()
+            raise
+
+    def close(self) -> None:
+        self.calls.close()
+        self.replies.close()
+
+    def start(self, message: _Message) -> tuple[Callable[[], Any] | None, bool]:
+        """(what to run, whether to reply) for one call; (None, False) if not ours."""
+        _cid, method, args, kwargs, targets, unique = message
+        if targets is not None and self.rank not in targets:
+            return None, False
+        reply = unique == _ALL or unique == self.rank
+        try:
+            fn = _method(self.target, method)
+        except AttributeError as exc:
+            exc_fn = exc
+
+            def fail() -> Any:
+                raise exc_fn
+
+            return fail, reply
+        return functools.partial(fn, *args, **kwargs), reply
+
+    def error(
+        self, cid: int, exc: BaseException, reply: bool, method: Any
+    ) -> tuple[Any, ...] | None:
+        text = "".join(traceback.format_exception(exc))
+        if not reply:
+            _log.warning(
+                "call %d (%s) raised in worker %d; no reply was asked of it:\n%s",
+                cid,
+                method,
+                self.rank,
+                text,
+            )
+            return None
+        try:  # it must load at the caller as well as pickle here
+            main, buffers = self.ser.dumps(exc)
+            self.ser.loads(memoryview(main), buffers)
+            sent: BaseException = exc
+        except Exception:
+            kind = type(exc)
+            sent = RemoteError(
+                f"{kind.__qualname__}: {exc}", f"{kind.__module__}.{kind.__qualname__}"
+            )
+        return (cid, False, (sent, text))
+
+    def unserializable(self, reply: tuple[Any, ...], exc: Exception) -> tuple[Any, ...]:
+        """The error reply sent in place of a result that did not serialize."""
+        failure = TypeError(f"the result of call {reply[0]} could not be serialized: {exc}")
+        failure.__cause__ = exc
+        answer = self.error(reply[0], failure, True, "")
+        assert answer is not None
+        return answer
+
+
+async def serve(
+    handle: RpcHandle,
+    rank: int,
+    target: object,
+    *,
+    serializer: SerializerSpec | None = None,
+    capacity: int = REPLY_CAPACITY,
+    spin: float = DEFAULT_SPIN,
+) -> None:
+    """Serve ``target``'s methods as worker ``rank`` of a client, in call order.
+
+    Methods may be plain or async.  Returns when the client closes or its process dies.
+    """
+    worker = _Worker(handle, rank, target, serializer, capacity, spin)
+    try:
+        while True:
+            try:
+                batch = await worker.calls.get_many()
+            except (anyio.EndOfStream, PeerDied):
+                return
+            out: list[tuple[Any, ...]] = []
+            since = 0.0
+            for message in batch:
+                run, reply = worker.start(message)
+                if run is None:
+                    continue
+                try:
+                    result = run()
+                    if inspect.isawaitable(result):
+                        result = await result
+                except Exception as exc:
+                    answer = worker.error(message[0], exc, reply, message[1])
+                else:
+                    answer = (message[0], True, result) if reply else None
+                if answer is not None:
+                    if not out:
+                        since = time.monotonic()
+                    out.append(answer)
+                    if time.monotonic() - since > FLUSH_AFTER:
+                        await _send(worker, out)
+                        out = []
+            if out:
+                await _send(worker, out)
+    except PeerDied:  # the client died while a reply waited for room
+        return
+    finally:
+        worker.close()
+
+
+async def _send(worker: _Worker, replies: list[tuple[Any, ...]]) -> None:
+    try:
+        await worker.replies.put_many(replies)
+    except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+        raise
+    except Exception:  # a result that does not serialize: send the rest
+        for reply in replies:
+            try:
+                await worker.replies.put(reply)
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                raise
+            except Exception as exc:  # nothing was written: say why instead
+                await worker.replies.put(worker.unserializable(reply, exc))
+
+
+def serve_sync(
+    handle: RpcHandle,
+    rank: int,
+    target: object,
+    *,
+    serializer: SerializerSpec | None = None,
+    capacity: int = REPLY_CAPACITY,
+) -> None:
+    """``serve`` for a plain process without an event loop: blocks until the client goes."""
+    worker = _Worker(handle, rank, target, serializer, capacity, 0.0)
+    try:
+        while True:
+            try:
+                message = worker.calls.get_sync()
+            except (anyio.EndOfStream, PeerDied):
+                return
+            while True:
+                run, reply = worker.start(message)
+                if run is not None:
+                    try:
+                        result = run()
+                        if inspect.isawaitable(result):
+                            close = getattr(result, "close", None)
+                            if close is not None:
+                                close()
+                            raise TypeError(
+                                f"{message[1]!r} is async: serve it with aioshmq.rpc.serve"
+                            )
+                    except Exception as exc:
+                        answer = worker.error(message[0], exc, reply, message[1])
+                    else:
+                        answer = (message[0], True, result) if reply else None
+                    if answer is not None:
+                        try:
+                            worker.replies.put_sync(answer)
+                        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                            raise
+                        except Exception as exc:  # nothing was written
+                            worker.replies.put_sync(worker.unserializable(answer, exc))
+                try:
+                    message = worker.calls.get_nowait()
+                except Empty:
+                    break
+                except anyio.EndOfStream:
+                    return
+    except PeerDied:
+        return
+    finally:
+        worker.close()

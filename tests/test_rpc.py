@@ -1,0 +1,395 @@
+"""Batched RPC: results, subsets, unique replies, errors, batching, death, cancellation."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+from conftest import Children, backend_name, run_backend
+
+import aioshmq
+from aioshmq import rpc
+
+pytestmark = pytest.mark.anyio
+
+TIMEOUT = 30  # seconds for any one test's waits on worker processes
+
+
+class NoPickle(Exception):
+    """An exception that pickles but cannot be loaded (its __init__ needs two arguments)."""
+
+    def __init__(self, a: str, b: str) -> None:
+        super().__init__(f"{a}/{b}")
+
+
+class Target:
+    """What the test workers serve."""
+
+    def __init__(self, rank: int, gate: Any = None) -> None:
+        self.rank = rank
+        self.gate = gate
+        self.seen: list[Any] = []
+
+    def whoami(self) -> int:
+        return self.rank
+
+    def echo(self, x: Any) -> Any:
+        return x
+
+    def add(self, a: int, b: int = 0) -> int:
+        return a + b
+
+    async def async_add(self, a: int, b: int) -> int:
+        await anyio.lowlevel.checkpoint()
+        return a + b
+
+    def record(self, x: Any) -> Any:
+        self.seen.append(x)
+        return x
+
+    def recorded(self) -> list[Any]:
+        return self.seen
+
+    def fail(self, message: str) -> None:
+        raise ValueError(message)
+
+    def fail_unless(self, rank: int) -> int:
+        if self.rank != rank:
+            raise RuntimeError(f"worker {self.rank} fails on purpose")
+        return self.rank
+
+    def fail_oddly(self) -> None:
+        raise NoPickle("a", "b")
+
+    def lock(self) -> Any:
+        return threading.Lock()  # a result that cannot be pickled
+
+    def wait_gate(self, x: Any) -> Any:
+        assert self.gate is not None and self.gate.wait(TIMEOUT)
+        return x
+
+    def die_if(self, rank: int) -> int:
+        if self.rank == rank:
+            os.kill(os.getpid(), 9)
+        return self.rank
+
+    def total(self, arr: np.ndarray) -> float:  # type: ignore[type-arg]
+        return float(arr.sum())
+
+    def scaled(self, arr: np.ndarray, k: float) -> np.ndarray:  # type: ignore[type-arg]
+        return arr * k
+
+    def _private(self) -> None:
+        raise AssertionError("must not be callable")
+
+
+def times_rank(target: Target, k: int) -> int:
+    """A function sent by reference and run as ``times_rank(target, k)``."""
+    return target.rank * k
+
+
+def _worker(
+    handle: rpc.RpcHandle, rank: int, backend: str, sync: bool, spin: float, gate: Any
+) -> None:
+    target = Target(rank, gate)
+    if sync:
+        rpc.serve_sync(handle, rank, target)
+    else:
+        run_backend(backend, lambda: rpc.serve(handle, rank, target, spin=spin))
+
+
+async def _start(
+    children: Children,
+    client: rpc.Client,
+    anyio_backend: object,
+    *,
+    method: str = "fork",
+    sync: bool = False,
+    spin: float = 0.0002,
+    gate: Any = None,
+) -> list[multiprocessing.process.BaseProcess]:
+    """One worker process per rank, started with ``method``; returns once all are ready."""
+    procs = []
+    for rank in range(client.handle.workers):
+        procs.append(
+            await anyio.to_thread.run_sync(
+                children.start,
+                method,
+                _worker,
+                client.handle,
+                rank,
+                backend_name(anyio_backend),
+                sync,
+                spin,
+                gate,
+            )
+        )
+    with anyio.fail_after(TIMEOUT):
+        await client.wait_workers()
+    return procs
+
+
+async def _exit_codes(children: Children) -> list[int | None]:
+    return await anyio.to_thread.run_sync(children.join, TIMEOUT)
+
+
+async def test_results_subsets_and_unique_reply(anyio_backend: object, children: Children) -> None:
+    async with rpc.Client(3) as client:
+        await _start(children, client, anyio_backend)
+        with anyio.fail_after(TIMEOUT):
+            assert await client.call("whoami") == [0, 1, 2]
+            assert await client.call("add", 1, b=2) == [3, 3, 3]
+            assert await client.call("async_add", 2, 5) == [7, 7, 7]
+            assert await client.call("whoami", workers=[2, 0]) == [2, 0]
+            assert await client.call("whoami", unique_reply_rank=1) == 1
+            assert await client.call(times_rank, 10) == [0, 10, 20]
+            # Only worker 2 runs it; the others never see it.
+            assert await client.call("record", "x", workers=[2]) == ["x"]
+            assert await client.call("recorded") == [[], [], ["x"]]
+            # Every worker runs a unique-reply call; only rank 1 answers.
+            assert await client.call("record", "y", unique_reply_rank=1) == "y"
+            assert await client.call("recorded") == [["y"], ["y"], ["x", "y"]]
+            stats = client.statistics()
+            assert stats.workers == 3 and stats.calls_submitted == 10 and stats.calls_pending == 0
+    assert await _exit_codes(children) == [0, 0, 0]  # the client closed: serve() returned
+
+
+async def test_worker_errors_come_back_and_the_worker_goes_on(
+    anyio_backend: object, children: Children
+) -> None:
+    async with rpc.Client(2) as client:
+        await _start(children, client, anyio_backend)
+        with anyio.fail_after(TIMEOUT):
+            with pytest.raises(ValueError, match="boom") as info:
+                await client.call("fail", "boom")
+            cause = info.value.__cause__
+            assert isinstance(cause, rpc.RemoteTraceback)
+            assert "in fail" in str(cause) and "raise ValueError(message)" in str(cause)
+            assert any("worker 0" in note for note in info.value.__notes__)
+
+            with pytest.raises(AttributeError, match="no method 'nope'"):
+                await client.call("nope")
+            with pytest.raises(AttributeError, match="private"):
+                await client.call("_private")
+            with pytest.raises(TypeError, match="add"):
+                await client.call("add", 1, 2, 3)
+            with pytest.raises(rpc.RemoteError, match="NoPickle: a/b") as remote:
+                await client.call("fail_oddly")
+            assert remote.value.type_name == f"{__name__}.NoPickle"
+            with pytest.raises(TypeError, match="could not be serialized"):
+                await client.call("lock")
+            # The lowest rank's error is raised; here only worker 1 fails.
+            with pytest.raises(RuntimeError, match="worker 1 fails"):
+                await client.call("fail_unless", 0)
+            # A worker that is not asked to reply does not report its error.
+            assert await client.call("fail_unless", 1, unique_reply_rank=1) == 1
+            assert await client.call("whoami") == [0, 1]
+    assert await _exit_codes(children) == [0, 0]
+
+
+async def test_unserializable_argument_fails_only_its_call(
+    anyio_backend: object, children: Children
+) -> None:
+    async with rpc.Client(2) as client:
+        await _start(children, client, anyio_backend)
+        with anyio.fail_after(TIMEOUT):
+            good = client.submit("echo", 1)
+            bad = client.submit("echo", threading.Lock())
+            also_good = client.submit("echo", 2)
+            with pytest.raises(TypeError, match=r"arguments of call .* could not be serialized"):
+                await bad
+            assert await good == [1, 1] and await also_good == [2, 2]
+            assert await client.call("echo", 3) == [3, 3]
+
+
+def test_bad_arguments_are_refused_before_anything_is_sent() -> None:
+    with pytest.raises(ValueError, match="workers=0"):
+        rpc.Client(0)
+    with pytest.raises(TypeError, match="workers must be an int"):
+        rpc.Client("2")  # type: ignore[arg-type]
+    client = rpc.Client(2)
+    try:
+        with pytest.raises(RuntimeError, match="async with client"):
+            client.submit("echo", 1)
+    finally:
+        anyio.run(client.aclose)
+
+
+async def test_bad_call_arguments(anyio_backend: object, children: Children) -> None:
+    async with rpc.Client(2) as client:
+        with pytest.raises(ValueError, match=r"workers\[\]=5 is out of range"):
+            client.submit("echo", 1, workers=[5])
+        with pytest.raises(ValueError, match="names no worker"):
+            client.submit("echo", 1, workers=[])
+        with pytest.raises(ValueError, match="twice"):
+            client.submit("echo", 1, workers=[1, 1])
+        with pytest.raises(ValueError, match="not among workers"):
+            client.submit("echo", 1, workers=[0], unique_reply_rank=1)
+        with pytest.raises(TypeError, match="method must be"):
+            client.submit(3)  # type: ignore[arg-type]
+        assert client.statistics().calls_submitted == 0
+        await _start(children, client, anyio_backend)
+        with anyio.fail_after(TIMEOUT):
+            assert await client.call("echo", "ok") == ["ok", "ok"]
+
+
+async def _all_asleep(client: rpc.Client) -> None:
+    """Wait until every worker is asleep on the call ring (its sleep flag is up)."""
+    ring = client._calls._ring
+    with anyio.fail_after(TIMEOUT):
+        while not all(ring.w[i] for i in ring.r_sleep):
+            await anyio.sleep(0.001)
+
+
+async def test_a_batch_is_one_publish_and_one_wake_up(
+    anyio_backend: object, children: Children
+) -> None:
+    async with rpc.Client(2) as client:
+        await _start(children, client, anyio_backend, spin=0.0)
+        with anyio.fail_after(TIMEOUT):
+            assert await client.call("echo", 0) == [0, 0]
+            await _all_asleep(client)
+            before = client.statistics()
+            calls = [client.submit("echo", i) for i in range(100)]  # one loop turn
+            assert [await call for call in calls] == [[i, i] for i in range(100)]
+            after = client.statistics()
+            assert after.batches_sent - before.batches_sent == 1
+            assert after.wakeups_sent - before.wakeups_sent == 2  # one per sleeping worker
+            # Awaited one by one, calls go out one batch each.
+            for i in range(10):
+                assert await client.call("echo", i) == [i, i]
+            assert client.statistics().batches_sent - after.batches_sent == 10
+
+
+async def test_many_calls_in_flight_run_in_order(anyio_backend: object, children: Children) -> None:
+    async with rpc.Client(2, capacity=1 << 16, max_messages=64) as client:
+        await _start(children, client, anyio_backend)
+        with anyio.fail_after(TIMEOUT):
+            calls = []
+            for i in range(1000):
+                calls.append(client.submit("record", i))
+                if i % 97 == 0:
+                    await anyio.lowlevel.checkpoint()  # batches of different sizes
+            assert [await call for call in calls] == [[i, i] for i in range(1000)]
+            assert await client.call("recorded") == [list(range(1000))] * 2
+
+
+async def test_cancelled_call_is_withdrawn_and_its_late_reply_dropped(
+    anyio_backend: object, children: Children
+) -> None:
+    gate = multiprocessing.get_context("fork").Event()
+    async with rpc.Client(2) as client:
+        await _start(children, client, anyio_backend, gate=gate)
+        with anyio.fail_after(TIMEOUT):
+            with anyio.move_on_after(0.05) as scope:
+                await client.call("wait_gate", "late")  # the workers hold it until the gate
+            assert scope.cancelled_caught
+            assert client.statistics().calls_pending == 0
+            gate.set()
+            assert await client.call("echo", "next") == ["next", "next"]
+            # Withdrawn in the turn it was submitted: never sent.
+            withdrawn = client.submit("record", "never")
+            withdrawn.cancel()
+            with pytest.raises(anyio.ClosedResourceError, match="withdrawn"):
+                await withdrawn
+            assert await client.call("record", "sent") == ["sent", "sent"]
+            assert await client.call("recorded") == [["sent"], ["sent"]]
+
+
+async def test_dead_worker_fails_pending_and_later_calls(
+    anyio_backend: object, children: Children
+) -> None:
+    async with rpc.Client(2) as client:
+        await _start(children, client, anyio_backend)
+        with anyio.fail_after(TIMEOUT):
+            assert await client.call("whoami") == [0, 1]
+            dying = client.submit("die_if", 1)
+            pending = client.submit("whoami")
+        with anyio.fail_after(1):
+            with pytest.raises(aioshmq.PeerDied) as info:
+                await dying
+        assert info.value.role == "worker" and info.value.index == 1
+        with pytest.raises(aioshmq.PeerDied):
+            await pending
+        with pytest.raises(aioshmq.PeerDied, match="worker 1"):
+            await client.call("whoami")
+    assert await _exit_codes(children) == [0, -9]
+
+
+def _scheduler(conn: Any, backend: str) -> None:
+    async def main() -> None:
+        async with rpc.Client(1) as client:
+            conn.send(client.handle)
+            await client.wait_workers()
+            assert await client.call("echo", 1) == [1]
+            conn.send("ready")
+            await anyio.sleep_forever()
+
+    run_backend(backend, main)
+
+
+async def test_dead_scheduler_stops_the_workers(anyio_backend: object, children: Children) -> None:
+    backend = backend_name(anyio_backend)
+    ours, theirs = multiprocessing.get_context("fork").Pipe()
+    scheduler = await anyio.to_thread.run_sync(children.start, "fork", _scheduler, theirs, backend)
+    handle = await anyio.to_thread.run_sync(ours.recv)
+    worker = await anyio.to_thread.run_sync(
+        children.start, "fork", _worker, handle, 0, backend, False, 0.0002, None
+    )
+    assert await anyio.to_thread.run_sync(ours.poll, TIMEOUT) and ours.recv() == "ready"
+    os.kill(scheduler.pid or 0, 9)
+    await anyio.to_thread.run_sync(worker.join, TIMEOUT)
+    assert worker.exitcode == 0  # serve() returned: no hang, no error
+
+
+async def test_serve_sync(anyio_backend: object, children: Children) -> None:
+    async with rpc.Client(2) as client:
+        await _start(children, client, anyio_backend, sync=True)
+        with anyio.fail_after(TIMEOUT):
+            calls = [client.submit("record", i) for i in range(50)]
+            assert [await call for call in calls] == [[i, i] for i in range(50)]
+            with pytest.raises(ValueError, match="sync boom"):
+                await client.call("fail", "sync boom")
+            with pytest.raises(TypeError, match=r"is async: serve it with aioshmq\.rpc\.serve"):
+                await client.call("async_add", 1, 2)
+            with pytest.raises(TypeError, match="could not be serialized"):
+                await client.call("lock")
+            assert await client.call("whoami") == [0, 1]
+    assert await _exit_codes(children) == [0, 0]
+
+
+async def test_spawned_workers_with_numpy_arrays(anyio_backend: object, children: Children) -> None:
+    async with rpc.Client(2) as client:
+        await _start(children, client, anyio_backend, method="spawn")
+        with anyio.fail_after(TIMEOUT):
+            arr = np.arange(1 << 18, dtype=np.float32)  # 1 MiB, out of band both ways
+            assert await client.call("total", arr) == [float(arr.sum())] * 2
+            doubled = await client.call("scaled", arr, 2.0)
+            assert all(np.array_equal(got, arr * 2) for got in doubled)
+    assert await _exit_codes(children) == [0, 0]
+
+
+async def test_cloudpickle_sends_lambdas(anyio_backend: object, children: Children) -> None:
+    async with rpc.Client(2, serializer="cloudpickle") as client:
+        await _start(children, client, anyio_backend)
+        with anyio.fail_after(TIMEOUT):
+            assert await client.call(lambda target, x: target.rank + x, 10) == [10, 11]
+
+
+async def test_closing_fails_pending_calls(anyio_backend: object, children: Children) -> None:
+    gate = multiprocessing.get_context("fork").Event()
+    async with rpc.Client(1) as client:
+        await _start(children, client, anyio_backend, gate=gate)
+        call = client.submit("wait_gate", 1)
+        await anyio.wait_all_tasks_blocked()
+    with pytest.raises(anyio.ClosedResourceError):
+        await call
+    with pytest.raises(anyio.ClosedResourceError):
+        client.submit("echo", 1)
+    gate.set()
+    assert await _exit_codes(children) == [0]
