@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import select
 import time
@@ -12,6 +13,8 @@ from typing import Any
 
 import anyio
 from anyio.lowlevel import checkpoint
+
+from ._notify import Notifier
 
 YIELD_INTERVAL = 0.001  # an end that never has to wait still yields to the loop this often
 
@@ -35,6 +38,7 @@ class End:
     """
 
     _role = "end"
+    _wake: Notifier  #: the notifier whose signals end this end's sleeps
 
     def __init__(self) -> None:
         self._closed = False
@@ -43,6 +47,9 @@ class End:
         self._waiting = 0
         self._next_yield = 0.0
         self._wait_fd = -1
+        # On asyncio the wait fd stays registered with the loop between sleeps (see _sleep).
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._waiter: asyncio.Future[None] | None = None
         _live.add(self)
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -58,6 +65,7 @@ class End:
     def _abandon(self) -> None:
         if not self._closed:
             self._closed = True
+            self._loop = self._waiter = None  # the parent's loop: not this process's to touch
             self._release(clean=False)
 
     def close(self) -> None:
@@ -65,7 +73,11 @@ class End:
         if self._closed:
             return
         self._closed = True
-        if self._waiting and self._wait_fd >= 0:
+        waiter, self._waiter = self._waiter, None
+        self._unregister()
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(anyio.ClosedResourceError(f"this aioshmq {self._role} was closed"))
+        elif self._waiting and self._wait_fd >= 0:
             try:
                 anyio.notify_closing(self._wait_fd)
             except Exception:  # no event loop in this thread: nobody can be waiting in one
@@ -101,12 +113,58 @@ class End:
             await checkpoint()  # outside an event loop this raises anyio's NoEventLoopError
             self._next_yield = now + YIELD_INTERVAL
 
+    def _drain(self) -> None:
+        """Clear wake-ups left from earlier sleeps before announcing a new one.
+
+        Not needed while the fd is registered with an asyncio loop: its callback drains
+        every wake-up as it comes, and a stale one only costs a spurious wake.
+        """
+        if self._loop is None:
+            self._wake.drain()
+
     async def _sleep(self) -> None:
         self._waiting += 1
         try:
-            await anyio.wait_readable(self._wait_fd)
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                loop = None
+            if loop is None or asyncio.current_task(loop) is None:  # trio, or a trio guest
+                await anyio.wait_readable(self._wait_fd)
+                return
+            # Registered once, not per sleep: add_reader and remove_reader are two syscalls,
+            # each a large share of a wake-up's cost.
+            if self._loop is not loop:
+                # Never drained here: the sleep is announced, and its wake-up may be pending.
+                self._unregister()
+                loop.add_reader(self._wait_fd, self._on_readable)
+                self._loop = loop
+            self._waiter = waiter = loop.create_future()
+            try:
+                await waiter
+            finally:
+                if self._waiter is waiter:
+                    self._waiter = None
         finally:
             self._waiting -= 1
+
+    def _on_readable(self) -> None:
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            # Nobody waits: unregister rather than let a readable fd spin the loop, and
+            # leave the wake-up for whoever waits next (a blocking call, say).
+            self._unregister()
+            return
+        self._wake.drain()
+        waiter.set_result(None)
+
+    def _unregister(self) -> None:
+        loop, self._loop = self._loop, None
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.remove_reader(self._wait_fd)
+            except Exception:  # closed from a thread the loop does not run in, or at exit
+                pass
 
     def _sleep_sync(self, deadline: float | None) -> None:
         """Block until the wait fd is readable or the deadline passes (TimeoutError)."""

@@ -240,7 +240,7 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
                     break
         # Drained before announcing the sleep, not after waking: a signal meant for an
         # earlier sleep cannot then wake this one for nothing.
-        self._wake.drain()
+        self._drain()
         if ring.prepare_sleep():
             try:
                 await self._sleep()

@@ -226,7 +226,7 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
     async def _wait_room(self) -> None:
         self._check_readers()
         need, messages = self._ring.need
-        self._wake.drain()  # before announcing the sleep: no wake-up left over from before
+        self._drain()  # before announcing the sleep: no wake-up left over from before
         if self._ring.prepare_sleep(need, messages):
             try:
                 await self._sleep()
@@ -352,7 +352,7 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         self._check()
         async with self._lock:
             while True:
-                self._wake.drain()
+                self._drain()
                 if self._all_attached():
                     return
                 await self._sleep()

@@ -134,3 +134,39 @@ def test_async_api_without_an_event_loop() -> None:
             coro.close()
         w.put_sync(2)
         assert r.get_sync(timeout=5) == 2
+
+
+@pytest.mark.anyio
+async def test_wake_ups_nobody_waits_for_neither_spin_the_loop_nor_get_lost(
+    anyio_backend: object,
+) -> None:
+    import time
+
+    import anyio
+
+    with aioshmq.create(capacity=1 << 16) as w, aioshmq.connect(w.name, spin=0) as r:
+        for _round in range(3):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(w.put, "x")  # after the reader is asleep: a real wake-up
+                with anyio.fail_after(5):
+                    assert await r.get() == "x"
+            # A wake-up that nobody waits for: the fd stays readable until the next sleep.
+            os.eventfd_write(r._wake.read_fd, 1)
+            cpu = time.process_time()
+            await anyio.sleep(0.3)
+            assert time.process_time() - cpu < 0.05  # the loop slept: no readable-fd spin
+        # The next sleep is not fooled by the stale wake-up into missing a real one.
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(w.put, "y")
+            with anyio.fail_after(5):
+                assert await r.get() == "y"
+        # A blocking get on another thread still gets its wake-up.
+        got = []
+        thread = threading.Thread(target=lambda: got.append(r.get_sync(timeout=5)))
+        thread.start()
+        with anyio.fail_after(5):
+            while not r._ring.w[r._ring.r_sleep]:  # until the thread is asleep in get_sync
+                await anyio.sleep(0.001)
+        await w.put("z")
+        await anyio.to_thread.run_sync(thread.join, 10)
+        assert got == ["z"]
