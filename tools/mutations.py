@@ -105,6 +105,41 @@ M = [
         '        fd = os.open(f"/dev/shm/aioshmq-{name}", os.O_RDWR | os.O_CREAT, 0o600)',
         "tests/test_segment.py::test_nothing_survives_sigkill_of_every_process",
     ),
+    (
+        "asyncio wait fd: no spin when nobody waits",
+        "aioshmq/_end.py",
+        "            self._unregister()\n            return\n        self._wake.drain()",
+        "            return\n        self._wake.drain()",
+        "tests/test_end.py::test_wake_ups_nobody_waits_for_neither_spin_the_loop_nor_get_lost",
+    ),
+    (
+        "rpc: one batch per loop turn",
+        "aioshmq/rpc.py",
+        "                await self._calls.put_many([call._message for call in calls])",
+        "                for call in calls:\n                    await self._calls.put(call._message)",
+        "tests/test_rpc.py::test_a_batch_is_one_publish_and_one_wake_up",
+    ),
+    (
+        "rpc: a cancelled call is withdrawn",
+        "aioshmq/rpc.py",
+        "        except BaseException:\n            self.cancel()\n            raise",
+        "        except BaseException:\n            raise",
+        "tests/test_rpc.py::test_cancelled_call_is_withdrawn_and_its_late_reply_dropped",
+    ),
+    (
+        "rpc: a dead worker fails the calls",
+        "aioshmq/rpc.py",
+        '            except PeerDied as exc:\n                self._fail(_worker_died(rank, exc.pid, ""))',
+        "            except PeerDied as exc:\n                await anyio.sleep_forever()",
+        "tests/test_rpc.py::test_dead_worker_fails_pending_and_later_calls",
+    ),
+    (
+        "rpc: a dead scheduler stops the workers",
+        "aioshmq/rpc.py",
+        "            except (anyio.EndOfStream, PeerDied):\n                return\n            out",
+        "            except anyio.EndOfStream:\n                return\n            except PeerDied:\n                await anyio.sleep_forever()\n            out",
+        "tests/test_rpc.py::test_dead_scheduler_stops_the_workers",
+    ),
 ]
 only = sys.argv[1:]
 failures = 0
