@@ -295,16 +295,21 @@ class Client:
     ) -> bool | None:
         tg = self._tg
         self._shut(anyio.ClosedResourceError("the aioshmq.rpc client was closed"))
-        if tg is not None:
-            tg.cancel_scope.cancel()
-            await tg.__aexit__(exc_type, exc, tb)
-        self._release()
+        try:
+            if tg is not None:
+                # The body's own exception is not the task group's: it propagates as itself.
+                tg.cancel_scope.cancel()
+                await tg.__aexit__(None, None, None)
+        finally:
+            self._release()
         return None
 
     async def aclose(self) -> None:
-        """Close the client (the workers then stop serving); pending calls fail."""
-        if self._tg is not None:
-            self._tg.cancel_scope.cancel()
+        """Close the client (the workers then stop serving); pending calls fail.
+
+        The client's tasks end as their rings close; nothing is cancelled, so calling
+        this inside ``async with client:`` does not cancel the caller.
+        """
         self._shut(anyio.ClosedResourceError("the aioshmq.rpc client was closed"))
         self._release()
         await checkpoint()
@@ -428,9 +433,19 @@ class Client:
 
     async def _run(self) -> None:
         try:
+            await self._start()
+        except Exception as exc:  # a task of the client never raises: its calls fail instead
+            self._fail(exc)
+
+    async def _start(self) -> None:
+        try:
             await self._calls.wait_readers()
             for rank in range(self._workers):
-                self._replies.append(await self._connect_reply(rank))
+                reader = await self._connect_reply(rank)
+                if self._closed:  # closed meanwhile: nobody else would close this one
+                    reader.close()
+                    return
+                self._replies.append(reader)
         except PeerDied as exc:
             self._fail(_worker_died(exc.index or 0, exc.pid, "before it was ready"))
             return
@@ -500,6 +515,12 @@ class Client:
         return good
 
     async def _receive(self, rank: int, reader: Reader[Any]) -> None:
+        try:
+            await self._receive_replies(rank, reader)
+        except Exception as exc:  # a task of the client never raises: its calls fail instead
+            self._fail(exc)
+
+    async def _receive_replies(self, rank: int, reader: Reader[Any]) -> None:
         expected = self._expected[rank]
         pending = self._pending
         while True:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import os
@@ -14,11 +15,14 @@ from typing import Any
 
 import pytest
 
+from aioshmq._bench import _rpc
 from aioshmq._bench._peers import _AioshmqReceiver
 from aioshmq._bench._scenarios import SCENARIO_NAMES
+from aioshmq._bench._workload import TINY
 
 ROOT = Path(__file__).resolve().parent.parent
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+HAS_ZMQ = importlib.util.find_spec("zmq") is not None
 
 
 def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
@@ -73,8 +77,36 @@ def test_bench_tiny_run_reports_every_scenario(tmp_path: Path) -> None:
     for scenario in SCENARIO_NAMES:
         assert f"== {scenario}:" in proc.stdout
     assert "[small]" in proc.stderr and "mp.Queue" in proc.stderr
+    _check_rpc_figures(results)
     if HAS_MATPLOTLIB:
         assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _check_rpc_figures(results: list[dict[str, Any]]) -> None:
+    """The rpc scenario gives p50, p99 and calls/s for aioshmq and zmq.asyncio (if installed),
+    from sessions that made calls and counted some."""
+    rows = [r for r in results if r["scenario"] == "rpc"]
+    wanted = {
+        ("one call at a time", "p50", "us"),
+        ("one call at a time", "p99", "us"),
+        ("256 calls in flight", "throughput", "calls/s"),
+    }
+    for peer in ("aioshmq", "zmq.asyncio"):
+        mine = [r for r in rows if r["peer"] == peer]
+        assert {(r["case"], r["metric"], r["unit"]) for r in mine} == wanted, mine
+        if peer == "zmq.asyncio" and not HAS_ZMQ:
+            assert all(r["value"] is None and r["note"] == "not installed" for r in mine)
+            continue
+        for r in mine:
+            assert isinstance(r["value"], float) and r["value"] > 0, r
+            params = r["params"]
+            assert params["workers"] == 4 and params["window"] == 256
+            assert params["round_trips"] >= 1 and all(n >= 1 for n in params["calls_counted"])
+            assert params["calls"] > 256
+        if peer == "aioshmq":
+            stats = mine[0]["params"]["client_stats"]
+            assert stats["calls_submitted"] == mine[0]["params"]["calls"]
+            assert stats["replies_received"] == 4 * stats["calls_submitted"]
 
 
 def test_bench_only_rejects_an_unknown_scenario() -> None:
@@ -115,3 +147,49 @@ async def test_large_payloads_are_read_through_a_lease_when_the_reader_has_one(
     seen = await rx.recv_with(lambda msg: (msg, reader.inside))
     assert seen == (b"leased", True)  # used while the lease was held
     assert reader.leases == 1 and not reader.inside
+
+
+class _FakeScheduler:
+    """Answers every call after a short delay, as 4 workers would, and counts what is in
+    flight: the window must keep exactly WINDOW calls there until the clock stops."""
+
+    def __init__(self) -> None:
+        self.inflight = 0
+        self.most = 0
+        self.calls = 0
+
+    async def call(self, x: Any) -> list[Any]:
+        return [x] * _rpc.WORKERS
+
+    async def submit(self, x: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[list[Any]] = loop.create_future()
+        self.inflight += 1
+        self.calls += 1
+        self.most = max(self.most, self.inflight)
+
+        def reply() -> None:
+            self.inflight -= 1
+            future.set_result([x] * _rpc.WORKERS)
+
+        loop.call_later(0.0001 * (self.calls % 3), reply)
+        return future
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_rpc_window_keeps_its_calls_in_flight_and_counts_after_the_warmup(
+    anyio_backend: str,
+) -> None:
+    scheduler = _FakeScheduler()
+    session = _rpc.Session()
+    await _rpc._window(scheduler, TINY, session)
+    assert scheduler.most == _rpc.WINDOW
+    assert scheduler.inflight == 0  # every call was awaited, the drained ones too
+    assert session.calls == scheduler.calls
+    (counted,) = session.counted
+    assert 1 <= counted <= session.calls - TINY.warmup_messages
+    assert session.rates[0] > 0
+    await _rpc._round_trips(scheduler, TINY, session)
+    assert 1 <= len(session.samples) <= TINY.round_trips
+    assert session.calls == scheduler.calls + TINY.warmup_round_trips + len(session.samples)

@@ -393,3 +393,33 @@ async def test_closing_fails_pending_calls(anyio_backend: object, children: Chil
         client.submit("echo", 1)
     gate.set()
     assert await _exit_codes(children) == [0]
+
+
+async def test_an_error_in_the_body_propagates_as_itself_and_stops_the_workers(
+    anyio_backend: object, children: Children
+) -> None:
+    with pytest.raises(KeyError, match="from the body"):
+        async with rpc.Client(2) as client:
+            await _start(children, client, anyio_backend)
+            with anyio.fail_after(TIMEOUT):
+                assert await client.call("whoami") == [0, 1]
+            raise KeyError("from the body")
+    assert await _exit_codes(children) == [0, 0]  # the rings were closed on the way out
+
+
+async def test_aclose_inside_the_block_does_not_cancel_the_caller(
+    anyio_backend: object, children: Children
+) -> None:
+    after = []
+    async with rpc.Client(1) as client:
+        await _start(children, client, anyio_backend)
+        with anyio.fail_after(TIMEOUT):
+            assert await client.call("whoami") == [0]
+            await client.aclose()
+            after.append("ran")
+            await anyio.lowlevel.checkpoint()
+            after.append("still running")
+            with pytest.raises(anyio.ClosedResourceError):
+                await client.call("whoami")
+    assert after == ["ran", "still running"]
+    assert await _exit_codes(children) == [0]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import time
 import traceback
 from collections.abc import Awaitable, Callable
 from multiprocessing.connection import Connection
@@ -18,7 +19,7 @@ T = TypeVar("T")
 CTX = multiprocessing.get_context("spawn")
 READY_TIMEOUT = 30.0  # seconds for a child to start, import and open its ends
 RESULT_TIMEOUT = 60.0  # seconds for a child to finish once its stream has ended
-JOIN_TIMEOUT = 10.0  # seconds for a child to exit after its result (1 s after a failure)
+JOIN_TIMEOUT = 10.0  # seconds for the children to exit after their results (1 s after a failure)
 
 
 class ChildFailed(RuntimeError):
@@ -131,9 +132,9 @@ class Children:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        timeout = JOIN_TIMEOUT if exc_type is None else 1.0
+        deadline = time.monotonic() + (JOIN_TIMEOUT if exc_type is None else 1.0)
         for kid in self.kids:
-            kid.proc.join(timeout)
+            kid.proc.join(max(deadline - time.monotonic(), 0.0))
             if kid.proc.is_alive():
                 kid.proc.kill()
                 kid.proc.join(5.0)

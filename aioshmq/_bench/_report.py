@@ -13,8 +13,8 @@ from typing import Any
 from ._results import Result
 
 LEGEND = (
-    "(N.Nx) = aioshmq's figure / the peer's: above 1 aioshmq is better for msg/s and GB/s,\n"
-    "below 1 it is better for us, ms and % core.  (N%) = aioshmq's GB/s as a share of\n"
+    "(N.Nx) = aioshmq's figure / the peer's: above 1 aioshmq is better for msg/s, calls/s and\n"
+    "GB/s, below 1 it is better for us, ms and % core.  (N%) = aioshmq's GB/s as a share of\n"
     "memcpy's.  vLLM's figures are quoted from design.md, not measured in this run."
 )
 
@@ -35,7 +35,7 @@ LOG_SCALE = {"large"}  # memcpy is ten times anything else there
 
 def fmt(value: float, unit: str) -> str:
     """A figure with the precision that its unit deserves."""
-    if unit == "msg/s":
+    if unit in ("msg/s", "calls/s"):
         if value >= 1e6:
             return f"{value / 1e6:.2f}M"
         return f"{value / 1e3:.1f}k" if value >= 1e3 else f"{value:.0f}"

@@ -1,4 +1,4 @@
-"""The six scenarios: what each measures, on which transports, and how runs become figures.
+"""The seven scenarios: what each measures, on which transports, and how runs become figures.
 
 Every measurement runs in fresh processes: the parent sends (or pings, or watches), children
 started with "spawn" receive.  The parent's side runs under asyncio.  One measurement that
@@ -12,7 +12,7 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -44,6 +44,7 @@ from ._peers import (
 from ._procs import Children, cpu_seconds, run_backend
 from ._report import fmt
 from ._results import Result
+from ._rpc import WINDOW, WORKERS, Transport, figures, run_session
 from ._workload import Budget, Workload
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -79,28 +80,37 @@ class Bench:
         fn: Callable[[dict[str, Any]], dict[str, float]],
         *,
         absent: str | None = None,
+        cases: Mapping[str, str] | None = None,
     ) -> None:
         """Record ``fn(params)``'s figures (one per metric in ``units``; ``fn`` may add to
-        ``params``), or a figure-less result saying why: ``absent`` or the failure."""
+        ``params``), or a figure-less result saying why: ``absent`` or the failure.
+
+        Each figure is filed under ``case``, or under ``cases[metric]``: one run can then
+        give the rows of several cases."""
+        cases = cases or {}
         values: dict[str, float] = {}
         note = absent or ""
         if absent is None:
-            self.say(f"  {case}: {peer} ...")
+            label = " + ".join(dict.fromkeys(cases.get(metric, case) for metric in units))
+            self.say(f"  {label}: {peer} ...")
             started = time.monotonic()
             try:
                 values = fn(params)
             except Exception as exc:
                 self.failures += 1
+                while isinstance(exc, ExceptionGroup) and exc.exceptions:  # a task group's
+                    exc = exc.exceptions[0]
                 first = str(exc).splitlines()[0] if str(exc) else ""
                 note = f"failed: {type(exc).__name__}: {first}"
-                self.say(f"  {case}: {peer} FAILED\n{traceback.format_exc()}")
+                self.say(f"  {label}: {peer} FAILED\n{traceback.format_exc()}")
             else:
                 took = time.monotonic() - started
                 shown = ", ".join(f"{k} {fmt(v, units[k])} {units[k]}" for k, v in values.items())
                 self.say(f"    {shown} ({took:.1f} s)")
         for metric, unit in units.items():
             value = values.get(metric)
-            self.results.append(Result(scenario, case, peer, metric, value, unit, params, note))
+            filed = cases.get(metric, case)
+            self.results.append(Result(scenario, filed, peer, metric, value, unit, params, note))
 
     def reference(
         self, scenario: str, case: str, peer: str, metric: str, value: float, unit: str
@@ -525,6 +535,46 @@ def lag(bench: Bench) -> None:
     )
 
 
+def _rpc_figures(bench: Bench, transport: Transport, params: dict[str, Any]) -> dict[str, float]:
+    session = run_session(transport, bench.budget, SMALL_CAPACITY, SMALL_DEPTH)
+    params["round_trips"] = len(session.samples)
+    params["runs"] = [round(rate, 1) for rate in session.rates]
+    params["calls_counted"] = session.counted
+    params["calls"] = session.calls
+    if session.stats:
+        params["client_stats"] = session.stats
+    return figures(session)
+
+
+def rpc(bench: Bench) -> None:
+    """One async scheduler calls ``echo(x)`` on 4 worker processes, each call going to every
+    worker and returning their 4 replies: round trips of one call at a time (p50, p99), and
+    calls per second with 256 calls kept in flight.  One session of processes per transport
+    gives both."""
+    hows: dict[Transport, str] = {
+        "aioshmq": "rpc.Client.call/submit -> rpc.serve",
+        "zmq.asyncio": "a PUSH per worker over ipc://, replies to one PULL, futures by call id",
+    }
+    for transport, how in hows.items():
+        absent = ZMQ.missing() if transport == ZMQ.name else None
+        bench.measure(
+            "rpc",
+            "one call at a time",
+            transport,
+            {"p50": "us", "p99": "us", "throughput": "calls/s"},
+            {
+                "workers": WORKERS,
+                "window": WINDOW,
+                "object_bytes": 100,
+                "backend": "asyncio",
+                "how": f"{how}; {WINDOW} in flight: each completion submits the next call",
+            },
+            partial(_rpc_figures, bench, transport),
+            absent=absent,
+            cases={"throughput": f"{WINDOW} calls in flight"},
+        )
+
+
 @dataclass(frozen=True)
 class Scenario:
     name: str
@@ -539,6 +589,7 @@ SCENARIOS = (
     Scenario("broadcast", "broadcast of 100-byte objects, 1 writer -> N readers", broadcast),
     Scenario("idle", "idle cost: a reader awaiting an empty ring", idle),
     Scenario("lag", "event-loop lag: 1 ms ticker while 1 MiB arrays stream", lag),
+    Scenario("rpc", f"RPC: 1 async scheduler -> {WORKERS} worker processes, echo(100 B)", rpc),
 )
 SCENARIO_NAMES = tuple(scenario.name for scenario in SCENARIOS)
 

@@ -54,13 +54,13 @@ class Budget:
     (a fraction of a second per measurement, for the test of the command itself)."""
 
     mode: str
-    seconds: float  #: one throughput run streams this long, after its warm-up
+    seconds: float  #: one throughput run streams (or calls, for rpc) this long, after its warm-up
     repeats: int  #: throughput runs per figure; the median is reported
-    warmup_messages: int  #: small objects sent before the clock starts
+    warmup_messages: int  #: small objects (rpc: calls) sent before the clock starts
     warmup_arrays: int  #: arrays sent before the clock starts
     min_arrays: int  #: a large-payload run counts at least this many arrays
-    warmup_round_trips: int  #: ping-pong round trips not counted
-    round_trips: int  #: ping-pong round trips counted (fewer if ``latency_seconds`` runs out)
+    warmup_round_trips: int  #: ping-pong round trips (rpc: calls one at a time) not counted
+    round_trips: int  #: round trips counted (fewer if ``latency_seconds`` runs out)
     latency_seconds: float
     idle_seconds: float  #: how long an idle reader is watched
     lag_bytes: int  #: bytes streamed while the tickers run
