@@ -46,6 +46,7 @@ _log = logging.getLogger("aioshmq.rpc")
 
 REPLY_CAPACITY = 8 << 20  #: default bytes of each worker's reply ring
 FLUSH_AFTER = 0.0005  #: a worker holds finished replies back at most this long (s) for a batch
+RECEIVE_BATCH = 128  #: replies the client handles per step: bounds the time between yields
 _ALL = -1  # in a call message: every worker that runs the call replies
 
 # A call on the wire: (id, method, args, kwargs, ranks that run it or None for all, the one
@@ -525,7 +526,7 @@ class Client:
         pending = self._pending
         while True:
             try:
-                replies = await reader.get_many()
+                replies = await reader.get_many(RECEIVE_BATCH)
             except anyio.EndOfStream:
                 self._fail(_worker_died(rank, 0, "stopped serving"))
                 return
