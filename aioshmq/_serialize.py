@@ -68,9 +68,15 @@ class PickleSerializer(Serializer):
         np = sys.modules.get("numpy")
         if np is not None and type(obj) is np.ndarray:
             return self._dumps_array(obj)
-        sink = _BufferSink()
-        main = self._dumps(obj, protocol=5, buffer_callback=sink)
-        return main, sink.buffers
+        found: list[pickle.PickleBuffer] = []
+        main = self._dumps(obj, protocol=5, buffer_callback=found.append)
+        if not found:  # most objects: no buffer, and no sink object made for nothing
+            return main, []
+        try:
+            return main, [pb.raw() for pb in found]
+        except BufferError:  # a non-contiguous buffer: it must travel in-band after all
+            sink = _BufferSink()
+            return self._dumps(obj, protocol=5, buffer_callback=sink), sink.buffers
 
     def _dumps_array(self, arr: Any) -> tuple[Buffer, list[memoryview]]:
         dtype = arr.dtype

@@ -197,3 +197,15 @@ async def test_a_batch_that_fails_to_load_is_reported_once() -> None:
         with pytest.raises(RuntimeError, match="cannot rebuild"):
             await r.get()
         assert await r.get() == "after"
+
+
+def test_buffers_go_out_of_band_and_non_contiguous_ones_are_refused() -> None:
+    ser = PickleSerializer()
+    contiguous = pickle.PickleBuffer(bytearray(b"xyz"))
+    main, buffers = ser.dumps([contiguous, b"in-band bytes"])
+    assert [bytes(b) for b in buffers] == [b"xyz"]
+    got = pickle.loads(main, buffers=buffers)
+    assert bytes(got[0]) == b"xyz" and got[1] == b"in-band bytes"
+    strided = pickle.PickleBuffer(memoryview(bytearray(b"abcdefgh"))[::2])
+    with pytest.raises(pickle.PicklingError, match="non-contiguous"):
+        ser.dumps([strided])  # as plain pickle does: a clear error, nothing half-made
