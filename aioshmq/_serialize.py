@@ -108,8 +108,14 @@ class CloudpickleSerializer(PickleSerializer):
     name = "cloudpickle"
 
     def __init__(self) -> None:
-        import cloudpickle  # type: ignore[import-untyped]
-
+        try:
+            import cloudpickle  # type: ignore[import-untyped]
+        except ImportError:
+            raise ImportError(
+                "serializer='cloudpickle' needs the cloudpickle package: "
+                "pip install 'aioshmq[cloudpickle]'"
+            ) from None
+        super().__init__()
         self._dumps = cloudpickle.dumps
 
 

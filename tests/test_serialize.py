@@ -209,3 +209,17 @@ def test_buffers_go_out_of_band_and_non_contiguous_ones_are_refused() -> None:
     strided = pickle.PickleBuffer(memoryview(bytearray(b"abcdefgh"))[::2])
     with pytest.raises(pickle.PicklingError, match="non-contiguous"):
         ser.dumps([strided])  # as plain pickle does: a clear error, nothing half-made
+
+
+async def test_cloudpickle_sends_numpy_arrays_out_of_band() -> None:
+    with (
+        aioshmq.create(capacity=1 << 20, serializer="cloudpickle") as w,
+        aioshmq.connect(w.name) as r,
+    ):
+        for _ in range(2):  # the second is served by the reused stream pickle
+            arr = np.arange(50_000, dtype=np.int32)
+            await w.put(arr)
+            got = await r.get()
+            assert got.dtype == arr.dtype and np.array_equal(got, arr)
+            main, buffers = w._ser.dumps(arr)
+            assert len(buffers) == 1 and len(main) < 1000
