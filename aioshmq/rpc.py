@@ -240,6 +240,10 @@ class Client:
             raise TypeError(f"workers must be an int, not {type(workers).__name__}")
         if workers < 1:
             raise ValueError(f"workers={workers} is too small: it must be at least 1")
+        if spin is not None and (
+            isinstance(spin, bool) or not isinstance(spin, int | float) or not 0 <= spin <= 1
+        ):
+            raise ValueError(f"spin must be a number of seconds from 0 to 1, not {spin!r}")
         self._workers = workers
         self._ser_spec = serializer
         self._spin = _default_spin(workers) if spin is None else spin

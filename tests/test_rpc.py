@@ -212,6 +212,10 @@ def test_bad_arguments_are_refused_before_anything_is_sent() -> None:
         rpc.Client(0)
     with pytest.raises(TypeError, match="workers must be an int"):
         rpc.Client("2")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="spin must be"):
+        rpc.Client(2, spin=-1)
+    with pytest.raises(ValueError, match="capacity"):
+        rpc.Client(2, capacity=10)
     client = rpc.Client(2)
     try:
         with pytest.raises(RuntimeError, match="async with client"):
