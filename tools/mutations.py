@@ -13,6 +13,7 @@ import tempfile
 
 SRC = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORK = os.path.join(tempfile.gettempdir(), "aioshmq-mutations")
+HANG = 120  # seconds after which a test run counts as hung
 M = [
     (
         "dead reader -> PeerDied",
@@ -159,24 +160,30 @@ for name, path, old, new, test in M:
         continue
     with open(p, "w") as f:
         f.write(s.replace(old, new))
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-x",
-            "-p",
-            "no:cacheprovider",
-            "--timeout",
-            "60",
-            test,
-        ],
-        cwd=WORK,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": WORK},
-    )
+    try:
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-x",
+                "-p",
+                "no:cacheprovider",
+                "--timeout",
+                "60",
+                test,
+            ],
+            cwd=WORK,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": WORK},
+            # A mutation may turn a wait into a busy loop that pytest-timeout's signal cannot
+            # break (the event loop swallows the exception): a hang counts as caught.
+            timeout=HANG,
+        )
+    except subprocess.TimeoutExpired as exc:
+        r = subprocess.CompletedProcess(exc.cmd, 1, f"hung for {HANG} s", "")
     for leftover in os.listdir("/dev/shm"):  # what the /dev/shm mutation leaves behind
         if leftover.startswith("aioshmq-"):
             os.unlink(os.path.join("/dev/shm", leftover))
