@@ -110,6 +110,7 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         self._name = name
         self._index = index
         self._ser = serializer
+        self._loads_plain = serializer.loads_plain
         self._sock: socket.socket = att.sock
         self._writer_wake = att.writer_wake
         self._wake = att.reader_wake
@@ -300,7 +301,7 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
                 view = ring.take_plain()
                 if view is not None:
                     try:
-                        obj = self._ser.loads(view, ())
+                        obj = self._loads_plain(view)
                     finally:
                         ring.tail += 16 + ((len(view) + 15) & -16)
                         ring.count += 1

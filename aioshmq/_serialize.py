@@ -34,6 +34,10 @@ class Serializer:
         """Rebuild an object that may alias ``main`` and ``buffers`` (for a lease)."""
         return self.loads(main, buffers)
 
+    def loads_plain(self, main: memoryview) -> Any:
+        """``loads`` of a message without buffers: the readers' hot path."""
+        return self.loads(main, ())
+
 
 class _BufferSink:
     """Collects pickle protocol-5 out-of-band buffers; keeps non-contiguous ones in-band."""
@@ -102,6 +106,8 @@ class PickleSerializer(Serializer):
 
     def loads(self, main: memoryview, buffers: Sequence[Buffer]) -> Any:
         return pickle.loads(main, buffers=buffers)
+
+    loads_plain = staticmethod(pickle.loads)  # type: ignore[assignment]
 
 
 class CloudpickleSerializer(PickleSerializer):
