@@ -335,7 +335,7 @@ class Client:
         if self._failure is None:
             self._failure = error
         for call in list(self._pending.values()):
-            call._finish(self._failure)
+            call._finish(_fresh(self._failure))  # each its own: raised in its own task
         self._outbox.clear()
         if self._ready is not None:
             self._ready.set()
@@ -343,12 +343,8 @@ class Client:
             self._kick.set()
 
     def _raise_failure(self) -> None:
-        failure = self._failure
-        if failure is None:
-            return
-        if isinstance(failure, PeerDied):
-            raise PeerDied(str(failure), role=failure.role, pid=failure.pid, index=failure.index)
-        raise type(failure)(*failure.args)
+        if self._failure is not None:
+            raise _fresh(self._failure)
 
     # -- calls -------------------------------------------------------------------------------
 
@@ -559,6 +555,21 @@ class Client:
                 call = pending.get(cid)
                 if call is not None:
                     call._deliver(rank, ok, value)
+
+
+def _fresh(error: BaseException) -> BaseException:
+    """A new exception like ``error``, so that tasks raising it never share a traceback."""
+    if isinstance(error, PeerDied):
+        fresh: BaseException = PeerDied(
+            str(error), role=error.role, pid=error.pid, index=error.index
+        )
+    else:
+        try:
+            fresh = type(error)(*error.args)
+        except Exception:  # a type that cannot be rebuilt from its args
+            fresh = anyio.BrokenResourceError(f"the aioshmq.rpc client failed: {error!r}")
+    fresh.__cause__ = error.__cause__
+    return fresh
 
 
 def _worker_died(rank: int, pid: int, when: str) -> PeerDied:

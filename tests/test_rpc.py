@@ -318,8 +318,10 @@ async def test_dead_worker_fails_pending_and_later_calls(
             with pytest.raises(aioshmq.PeerDied) as info:
                 await dying
         assert info.value.role == "worker" and info.value.index == 1
-        with pytest.raises(aioshmq.PeerDied):
+        with pytest.raises(aioshmq.PeerDied) as other:
             await pending
+        assert other.value is not info.value  # each call raises its own exception object
+        assert (other.value.index, other.value.pid) == (info.value.index, info.value.pid)
         with pytest.raises(aioshmq.PeerDied, match="worker 1"):
             await client.call("whoami")
     assert await _exit_codes(children) == [0, -9]
