@@ -1,0 +1,55 @@
+"""The per-message cost of put and get in one process, and of their parts.
+
+    python tools/hotpath.py
+
+Puts 100,000 of the bench's 100-byte dicts into a ring, then gets them all, twice; prints
+microseconds per put and per get next to bare ``pickle.dumps`` and ``pickle.loads``, and
+nanoseconds for the parts of the hot paths.  In one process nothing waits, so this is the
+Python cost that bounds small-object throughput across processes (benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+import timeit
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+
+import aioshmq
+from aioshmq._bench._workload import small_object
+
+N = 100_000
+
+
+def _ns(fn: Callable[[], Any], number: int = N) -> float:
+    return timeit.timeit(fn, number=number) / number * 1e9
+
+
+async def main() -> None:
+    objs = [small_object(i) for i in range(N)]
+    with aioshmq.create(256 << 20, 1 << 24, 1) as w, aioshmq.connect(w.name) as r:
+        for _ in range(2):
+            start = time.perf_counter()
+            for obj in objs:
+                await w.put(obj)
+            put = (time.perf_counter() - start) / N
+            start = time.perf_counter()
+            for _obj in objs:
+                await r.get()
+            get = (time.perf_counter() - start) / N
+            print(f"put {put * 1e6:.2f} us   get {get * 1e6:.2f} us")
+        data = pickle.dumps(objs[0], protocol=5)
+        main_bytes, _ = w._ser.dumps(objs[0])
+        print(f"pickle.dumps {_ns(lambda: pickle.dumps(objs[0], protocol=5)):.0f} ns")
+        print(f"pickle.loads {_ns(lambda: pickle.loads(data)):.0f} ns")
+        print(f"serializer dumps {_ns(lambda: w._ser.dumps(objs[0])):.0f} ns")
+        print(f"ring put_plain + publish {_ns(lambda: w._ring.put_plain(main_bytes)):.0f} ns")
+        print(f"reader publish {_ns(r._ring.publish):.0f} ns")
+        print(f"fence {_ns(aioshmq._atomics.fence):.0f} ns")
+
+
+if __name__ == "__main__":
+    anyio.run(main)
