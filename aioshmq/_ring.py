@@ -302,13 +302,7 @@ class RingWriter:
         self.head, self.head_count = self.pos, self.count
         self.publishes += 1
         fence()
-        w = self.w
-        for i, idx in enumerate(self.r_sleep):  # _wake_readers, inlined: once per message
-            s = w[idx]
-            if s and s != self.signalled[i]:
-                self.signalled[i] = s
-                self.wake[i].signal()
-                self.wakeups += 1
+        self._wake_readers()
 
     def _wake_readers(self) -> None:
         w = self.w

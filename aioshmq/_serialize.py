@@ -39,22 +39,6 @@ class Serializer:
         return self.loads(main, ())
 
 
-class _BufferSink:
-    """Collects pickle protocol-5 out-of-band buffers; keeps non-contiguous ones in-band."""
-
-    __slots__ = ("buffers",)
-
-    def __init__(self) -> None:
-        self.buffers: list[memoryview] = []
-
-    def __call__(self, pb: pickle.PickleBuffer) -> bool:
-        try:
-            self.buffers.append(pb.raw())
-        except BufferError:
-            return True
-        return False
-
-
 _ARRAY_CACHE_SIZE = 64
 
 
@@ -66,38 +50,38 @@ class PickleSerializer(Serializer):
         # Pickling a numpy array's dtype costs ~10 us here, more than copying 256 KiB.  With
         # its data out of band, a plain array's pickle depends only on its dtype and shape,
         # so the stream pickle made for the first such array is reused for the next ones.
-        self._arrays: dict[tuple[Any, tuple[int, ...]], bytes | None] = {}
+        self._arrays: dict[tuple[Any, tuple[int, ...]], Buffer] = {}
 
     def dumps(self, obj: Any) -> tuple[Buffer, list[memoryview]]:
         np = sys.modules.get("numpy")
         if np is not None and type(obj) is np.ndarray:
             return self._dumps_array(obj)
+        return self._pickle(obj)
+
+    def _pickle(self, obj: Any) -> tuple[Buffer, list[memoryview]]:
         found: list[pickle.PickleBuffer] = []
         main = self._dumps(obj, protocol=5, buffer_callback=found.append)
-        if not found:  # most objects: no buffer, and no sink object made for nothing
+        if not found:
             return main, []
         try:
             return main, [pb.raw() for pb in found]
-        except BufferError:  # a non-contiguous buffer: it must travel in-band after all
-            sink = _BufferSink()
-            return self._dumps(obj, protocol=5, buffer_callback=sink), sink.buffers
+        except BufferError:  # non-contiguous: in-band, which pickle refuses with a clear error
+            return self._dumps(obj, protocol=5), []
 
     def _dumps_array(self, arr: Any) -> tuple[Buffer, list[memoryview]]:
         dtype = arr.dtype
         if not arr.flags.c_contiguous or dtype.isbuiltin != 1:
-            sink = _BufferSink()
-            return self._dumps(arr, protocol=5, buffer_callback=sink), sink.buffers
+            return self._pickle(arr)
         key = (dtype, arr.shape)
         main = self._arrays.get(key)
         if main is None:
-            sink = _BufferSink()
-            main = self._dumps(arr, protocol=5, buffer_callback=sink)
-            if len(sink.buffers) != 1:  # not the shape of pickle this cache knows
-                return main, sink.buffers
+            main, buffers = self._pickle(arr)
+            if len(buffers) != 1:  # not the shape of pickle this cache knows
+                return main, buffers
             if len(self._arrays) >= _ARRAY_CACHE_SIZE:
                 self._arrays.clear()
             self._arrays[key] = main
-            return main, sink.buffers
+            return main, buffers
         return main, [pickle.PickleBuffer(arr).raw()]
 
     def dumps_many(self, objs: list[Any]) -> tuple[Buffer, list[memoryview]]:
