@@ -2,8 +2,9 @@
 
 from . import rpc
 from ._errors import CorruptedError, Empty, Full, PeerDied
+from ._handle import Handle
 from ._reader import Lease, Reader, ReaderStatistics, connect
-from ._writer import Handle, Writer, WriterStatistics, create
+from ._writer import Writer, WriterStatistics, create
 
 __all__ = [
     "CorruptedError",

@@ -17,11 +17,11 @@ from . import _layout as L
 from ._broker import BYE, check_name, pidfd_of, request
 from ._end import End, deadline_of
 from ._errors import CorruptedError, Empty, PeerDied
+from ._handle import Handle
 from ._layout import Layout
 from ._ring import RingReader, decode
 from ._segment import Segment
 from ._serialize import SerializerSpec, resolve
-from ._writer import Handle
 
 T = TypeVar("T")
 

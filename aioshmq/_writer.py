@@ -6,7 +6,6 @@ import os
 import secrets
 import time
 from collections.abc import Generator, Iterable
-from dataclasses import dataclass
 from typing import Any, Generic, Literal, NamedTuple, TypeVar
 
 import anyio
@@ -16,6 +15,7 @@ from . import _layout as L
 from ._broker import Broker, check_name
 from ._end import End, deadline_of
 from ._errors import Full, PeerDied
+from ._handle import Handle
 from ._layout import Layout
 from ._notify import Notifier, NotifierKind, default_kind
 from ._ring import ATTACHED, DEAD, Frame, Gate, RingWriter
@@ -25,16 +25,6 @@ from ._serialize import SerializerSpec, resolve
 T = TypeVar("T")
 
 OnReaderDeath = Literal["raise", "detach"]
-
-
-@dataclass(frozen=True)
-class Handle:
-    """What a reader needs to find a ring: picklable, valid in any process of the same user."""
-
-    name: str
-
-    def __str__(self) -> str:
-        return self.name
 
 
 class WriterStatistics(NamedTuple):
@@ -48,6 +38,7 @@ class WriterStatistics(NamedTuple):
     readers_attached: int
     tasks_waiting_send: int
     wakeups_sent: int  #: wake-up syscalls made to sleeping readers
+    publishes: int  #: times new messages were made visible to readers (a batch is one)
 
 
 def _positive_int(name: str, value: object, minimum: int) -> int:
@@ -404,6 +395,7 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
             readers_attached=sum(1 for s in self._gate.states if s == ATTACHED),
             tasks_waiting_send=self._waiting,
             wakeups_sent=self._ring.wakeups,
+            publishes=self._ring.publishes,
         )
 
     # -- closing ---------------------------------------------------------------------------
