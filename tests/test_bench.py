@@ -16,13 +16,16 @@ from typing import Any
 import pytest
 
 from aioshmq._bench import _rpc
-from aioshmq._bench._peers import _AioshmqReceiver
+from aioshmq._bench._peers import MP_QUEUE, VLLM, Peer, _AioshmqReceiver
 from aioshmq._bench._scenarios import SCENARIO_NAMES
 from aioshmq._bench._workload import TINY
 
 ROOT = Path(__file__).resolve().parent.parent
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 HAS_ZMQ = importlib.util.find_spec("zmq") is not None
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+# Where vLLM is installed its readers import torch, seconds each: the tiny run takes minutes.
+TINY_TIMEOUT = 400 if HAS_VLLM else 55
 
 
 def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
@@ -46,13 +49,13 @@ def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(TINY_TIMEOUT + 5)
 def test_bench_tiny_run_reports_every_scenario(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "aioshmq", "bench", "--quick", "--tiny", "--json", str(out)]
     if HAS_MATPLOTLIB:
         cmd += ["--plot", str(tmp_path / "bench.png")]
-    proc = _run(cmd, timeout=55)
+    proc = _run(cmd, timeout=TINY_TIMEOUT)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
 
     data = json.loads(out.read_text())
@@ -69,7 +72,8 @@ def test_bench_tiny_run_reports_every_scenario(tmp_path: Path) -> None:
             assert isinstance(r["value"], float) and r["value"] >= 0, r
     for r in results:
         assert set(r) >= {"scenario", "case", "peer", "metric", "value", "unit", "params"}
-        assert isinstance(r["value"], float) or r["note"].startswith("not installed"), r
+        absent = r["note"].startswith(("not installed", "not importable"))
+        assert isinstance(r["value"], float) or absent, r
     # Every peer is either measured or said to be missing, and mp.Queue is always there.
     assert any(r["peer"] == "mp.Queue" and r["value"] is not None for r in results)
     assert any(r["peer"] == "memcpy" and r["value"] is not None for r in results)
@@ -78,8 +82,53 @@ def test_bench_tiny_run_reports_every_scenario(tmp_path: Path) -> None:
         assert f"== {scenario}:" in proc.stdout
     assert "[small]" in proc.stderr and "mp.Queue" in proc.stderr
     _check_rpc_figures(results)
+    _check_measured_only(proc.stdout + proc.stderr + out.read_text(), results)
+    _check_vllm_rows(results)
     if HAS_MATPLOTLIB:
         assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _check_measured_only(output: str, results: list[dict[str, Any]]) -> None:
+    """Every figure was measured in this run: none is quoted from elsewhere, and nothing
+    cites a document that is not part of the repository."""
+    assert "design.md" not in output and "quoted" not in output
+    for r in results:
+        assert "reference" not in r, r
+        for text in (r["peer"], r["case"], r["note"]):
+            assert "quoted" not in text.lower() and "reference" not in text.lower(), r
+
+
+VLLM_ROWS = {  # where vLLM's MessageQueue is measured, when vllm imports
+    ("small", "one per put", "throughput"),
+    ("small", "batches of 64", "throughput"),
+    ("large", "512 KiB", "throughput"),
+    ("large", "1 MiB", "throughput"),
+    ("large", "64 MiB", "throughput"),
+    ("latency", "round trip", "p50"),
+    ("latency", "round trip", "p99"),
+    ("broadcast", "1 -> 1 reader", "throughput"),
+    ("broadcast", "1 -> 2 readers", "throughput"),
+    ("broadcast", "1 -> 4 readers", "throughput"),
+    ("idle", "asyncio", "cpu"),
+}
+
+
+def _check_vllm_rows(results: list[dict[str, Any]]) -> None:
+    """vLLM has a row wherever it is compared: measured in this run if vllm imports here,
+    else missing the way any other peer that is not installed is."""
+    mine = [r for r in results if r["peer"] == "vLLM"]
+    assert {(r["scenario"], r["case"], r["metric"]) for r in mine} == VLLM_ROWS, mine
+    (note,) = {r["note"] for r in mine}  # measured everywhere, or nowhere for one reason
+    if not HAS_VLLM:
+        assert note == "not installed"
+    assert note in ("", "not installed") or note.startswith("not importable"), note
+    for r in mine:
+        if note:
+            assert r["value"] is None, r
+        else:
+            assert isinstance(r["value"], float) and r["value"] >= 0 and r["params"]["how"], r
+    broadcast = [r for r in mine if r["scenario"] == "broadcast"]
+    assert sorted(r["params"]["readers"] for r in broadcast) == [1, 2, 4]
 
 
 def _check_rpc_figures(results: list[dict[str, Any]]) -> None:
@@ -107,6 +156,16 @@ def _check_rpc_figures(results: list[dict[str, Any]]) -> None:
             stats = mine[0]["params"]["client_stats"]
             assert stats["calls_submitted"] == mine[0]["params"]["calls"]
             assert stats["replies_received"] == 4 * stats["calls_submitted"]
+
+
+def test_a_peer_is_missing_where_it_is_not_installed_or_does_not_import() -> None:
+    if not HAS_VLLM:
+        assert VLLM.missing() == "not installed"
+    broken = Peer("broken", MP_QUEUE.channel, "-", "-", ("json",), "json.aioshmq_bench_no_such")
+    assert broken.missing() == "not importable (ModuleNotFoundError)"
+    absent = Peer("absent", MP_QUEUE.channel, "-", "-", ("aioshmq_bench_no_such",), "json")
+    assert absent.missing() == "not installed"
+    assert Peer("json", MP_QUEUE.channel, "-", "-", ("json",), "json.decoder").missing() is None
 
 
 def test_bench_only_rejects_an_unknown_scenario() -> None:

@@ -2,15 +2,18 @@
 
 A channel is made in the parent and handed to child processes as a spawn argument; each
 process then opens the end it uses, inside its event loop.  Peers without an async API
-(multiprocessing.Queue, faster-fifo) block the loop in their calls: each end has its process
-to itself, so that takes the loop from nobody, and it is how those queues are fastest.
+(multiprocessing.Queue, faster-fifo, vLLM's MessageQueue) block the loop in their calls: each
+end has its process to itself, so that takes the loop from nobody, and it is how those queues
+are fastest.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import os
+import pickle
 import secrets
 import tempfile
 import time
@@ -401,6 +404,104 @@ class EventfdChannel(Channel):
             self.fd = -1
 
 
+# -- vLLM's MessageQueue ---------------------------------------------------------------------
+
+VLLM_MODULE = "vllm.distributed.device_communicators.shm_broadcast"
+VLLM_MAX_CHUNKS = 10  # vLLM's default number of chunks (slots) in its ring
+
+
+class _VllmSender(Sender):
+    def __init__(self, queue: Any) -> None:
+        self._queue = queue
+        self._ready = False
+
+    async def wait_ready(self) -> None:
+        # Collective: every reader has subscribed when it returns, and has been told so.
+        if not self._ready:
+            self._queue.wait_until_ready()
+            self._ready = True
+
+    async def send(self, obj: Any) -> None:
+        self._queue.enqueue(obj, timeout=SYNC_TIMEOUT)
+
+    def close(self) -> None:
+        handle = self._queue.export_handle()
+        self._queue = None  # its finalizer closes its sockets, and its ring is unlinked
+        for address in vars(handle).values():  # zmq leaves the files of ipc:// paths it bound
+            if isinstance(address, str) and address.startswith("ipc://"):
+                try:
+                    os.unlink(address.removeprefix("ipc://"))
+                except FileNotFoundError:
+                    pass
+
+
+class _VllmReceiver(Receiver):
+    def __init__(self, queue: Any) -> None:
+        self._queue = queue
+        self._ready = False
+
+    async def recv(self) -> Any:
+        if not self._ready:  # the writer's word that every reader has subscribed
+            self._queue.wait_until_ready()
+            self._ready = True
+        return self._queue.dequeue(timeout=SYNC_TIMEOUT)
+
+    def close(self) -> None:
+        self._queue = None
+
+
+class VllmChannel(Channel):
+    """vLLM's shared-memory broadcast queue (``MessageQueue``), driven by its public API.
+
+    Its ring has a fixed number of chunks, one message each (a message too large for a chunk
+    goes over a zmq socket instead): here ``depth`` chunks, at most vLLM's default of 10,
+    sharing ``capacity`` bytes.  The writer makes the queue where it runs and leaves the
+    queue's handle in a file named here; each reader opens the queue from that handle as the
+    local reader of its index.
+    """
+
+    broadcast = True
+
+    def _make(self) -> None:
+        name = f"aioshmq-bench-{os.getpid()}-{secrets.token_hex(6)}.vllm-handle"
+        self.path = os.path.join(tempfile.gettempdir(), name)
+        self.chunks = min(self.depth, VLLM_MAX_CHUNKS)
+
+    def sender(self) -> Sender:
+        queue = importlib.import_module(VLLM_MODULE).MessageQueue(
+            self.readers,
+            self.readers,  # every reader is local: reads the ring in shared memory
+            max_chunk_bytes=self.capacity // self.chunks,
+            max_chunks=self.chunks,
+        )
+        staged = f"{self.path}.{os.getpid()}"
+        with open(staged, "wb") as f:
+            pickle.dump(queue.export_handle(), f)
+        os.replace(staged, self.path)
+        return _VllmSender(queue)
+
+    def receiver(self, index: int) -> Receiver:
+        message_queue = importlib.import_module(VLLM_MODULE).MessageQueue
+        deadline = time.monotonic() + CONNECT_TIMEOUT
+        while True:
+            try:
+                with open(self.path, "rb") as f:
+                    handle = pickle.load(f)
+            except FileNotFoundError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)  # the sending process has not made the queue yet
+                continue
+            return _VllmReceiver(message_queue.create_from_handle(handle, index))
+
+    def close(self) -> None:
+        if os.getpid() == self.owner:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
 # -- the roster ------------------------------------------------------------------------------
 
 
@@ -413,13 +514,24 @@ class Peer:
     how: str  #: how one message is sent and received
     batch: str  #: how a batch of 64 travels
     requires: tuple[str, ...] = ()
+    imports: str | None = None  #: a module that must import, not only be installed
 
     def missing(self) -> str | None:
         """None if it can run here, else why not (for the report)."""
         for module in self.requires:
             if importlib.util.find_spec(module) is None:
                 return "not installed"
-        return None
+        return None if self.imports is None else _import_error(self.imports)
+
+
+@functools.cache
+def _import_error(module: str) -> str | None:
+    """None if ``module`` imports, else why not (an installed package can lack what it needs)."""
+    try:
+        importlib.import_module(module)
+    except Exception as exc:
+        return f"not importable ({type(exc).__name__})"
+    return None
 
 
 AIOSHMQ = Peer("aioshmq", AioshmqChannel, "async put/get", "put_many/get_many(64)")
@@ -439,6 +551,14 @@ FASTER_FIFO = Peer(
     ("faster_fifo",),
 )
 EVENTFD = Peer("eventfd", EventfdChannel, "os.eventfd + anyio.wait_readable, no payload", "-")
+VLLM = Peer(
+    "vLLM",
+    VllmChannel,
+    "MessageQueue.enqueue/dequeue, sync (no async API)",
+    "a list of 64 per enqueue",
+    ("vllm",),
+    VLLM_MODULE,
+)
 
 
 class AioshmqSleepingChannel(AioshmqChannel):

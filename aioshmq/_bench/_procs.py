@@ -17,7 +17,7 @@ import anyio
 T = TypeVar("T")
 
 CTX = multiprocessing.get_context("spawn")
-READY_TIMEOUT = 30.0  # seconds for a child to start, import and open its ends
+READY_TIMEOUT = 90.0  # seconds for a child to start, import and open its ends (vLLM: torch)
 RESULT_TIMEOUT = 60.0  # seconds for a child to finish once its stream has ended
 JOIN_TIMEOUT = 10.0  # seconds for the children to exit after their results (1 s after a failure)
 

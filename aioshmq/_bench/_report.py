@@ -15,7 +15,7 @@ from ._results import Result
 LEGEND = (
     "(N.Nx) = aioshmq's figure / the peer's: above 1 aioshmq is better for msg/s, calls/s and\n"
     "GB/s, below 1 it is better for us, ms and % core.  (N%) = aioshmq's GB/s as a share of\n"
-    "memcpy's.  vLLM's figures are quoted from design.md, not measured in this run."
+    "memcpy's.  Every figure is measured in this run, on this machine."
 )
 
 
@@ -165,16 +165,15 @@ def plot(path: Path, results: Sequence[Result], titles: Mapping[str, str]) -> No
         by = {(f"{r.case}\0{r.metric}", r.peer): r for r in rows}
         width = 0.8 / len(peers)
         for j, peer in enumerate(peers):
-            xs, heights, hatch = [], [], ""
+            xs, heights = [], []
             for i, key in enumerate(keys):
                 result = by.get((key, peer))
                 if result is not None and result.value is not None:
                     xs.append(i - 0.4 + width * (j + 0.5))
                     heights.append(result.value)
-                    hatch = "//" if result.reference else ""
             if xs:
                 color = COLORS.get(peer.split()[0], "#8c564b")
-                ax.bar(xs, heights, width, label=peer, hatch=hatch, color=color)
+                ax.bar(xs, heights, width, label=peer, color=color)
         ax.set_xticks(range(len(keys)))
         ax.set_xticklabels([key.replace("\0", "\n") for key in keys], fontsize=7)
         ax.set_title(f"{scenario}: {titles.get(scenario, scenario)}", fontsize=9)

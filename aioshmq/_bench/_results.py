@@ -17,8 +17,7 @@ class Result:
     """One figure: what was measured, on which transport, and its value in ``unit``.
 
     ``value`` is None when there is no figure, and ``note`` says why ("not installed",
-    "skipped: ...", "failed: ...").  A ``reference`` figure is quoted from design.md, not
-    measured in this run.
+    "skipped: ...", "failed: ...").  Every figure is measured in this run.
     """
 
     scenario: str  #: one of the scenario names ("small", "large", ...)
@@ -29,7 +28,6 @@ class Result:
     unit: str  #: "msg/s", "GB/s", "us", "% core", "ms"
     params: dict[str, Any] = field(default_factory=dict)
     note: str = ""
-    reference: bool = False
 
 
 def _version(dist: str) -> str | None:
@@ -52,6 +50,16 @@ def machine_info() -> dict[str, Any]:
         "aioshmq": aioshmq.__version__,
         "versions": {
             dist: _version(dist)
-            for dist in ("anyio", "numpy", "pyzmq", "faster-fifo", "uvloop", "trio", "matplotlib")
+            for dist in (
+                "anyio",
+                "numpy",
+                "pyzmq",
+                "faster-fifo",
+                "vllm",
+                "torch",
+                "uvloop",
+                "trio",
+                "matplotlib",
+            )
         },
     }

@@ -25,6 +25,8 @@ def run(
 ) -> int:
     """Run the benchmark; 0 if every measurement that could run succeeded, else 1."""
     budget = TINY if tiny else QUICK if quick else FULL
+    # vLLM logs to stdout unless told otherwise (children inherit this): stdout is the table's.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     machine = machine_info()
     bench = Bench(budget)
     bench.say(

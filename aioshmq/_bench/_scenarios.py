@@ -37,8 +37,9 @@ from ._peers import (
     FASTER_FIFO,
     MP_QUEUE,
     STOP,
+    VLLM,
+    VLLM_MAX_CHUNKS,
     ZMQ,
-    AioshmqChannel,
     Peer,
 )
 from ._procs import Children, cpu_seconds, run_backend
@@ -52,11 +53,7 @@ SMALL_CAPACITY, SMALL_DEPTH = 16 * MiB, 1 << 16  # aioshmq.create()'s defaults
 ARRAY_DEPTH = 4  # arrays in flight at most, for the peers (aioshmq: a ring of 4 arrays)
 MEASURE_TIMEOUT = 180.0  # seconds for one measurement, whatever happens
 IDLE_SETTLE = 0.3  # seconds for an idle reader to fall asleep before it is watched
-
-# Figures quoted from design.md (vLLM's MessageQueue on this machine, quiet): never measured.
-VLLM_BROADCAST = {1: 77_000.0, 2: 36_000.0, 4: 24_000.0}
-VLLM = "vLLM (design.md)"
-VLLM_IDLE = 25.0  # an idle reader burns 1 s of CPU in every 4 s
+CHUNK_SLACK = 64 * KiB  # room in a vLLM chunk for an array's pickle besides its bytes
 
 
 class Bench:
@@ -111,22 +108,6 @@ class Bench:
             value = values.get(metric)
             filed = cases.get(metric, case)
             self.results.append(Result(scenario, filed, peer, metric, value, unit, params, note))
-
-    def reference(
-        self, scenario: str, case: str, peer: str, metric: str, value: float, unit: str
-    ) -> None:
-        self.results.append(
-            Result(
-                scenario,
-                case,
-                peer,
-                metric,
-                value,
-                unit,
-                note="quoted from design.md (quiet machine), not measured",
-                reference=True,
-            )
-        )
 
 
 # -- measurements (the parent's side) --------------------------------------------------------
@@ -293,15 +274,15 @@ def _latency(bench: Bench, peer: Peer, params: dict[str, Any]) -> dict[str, floa
     }
 
 
-async def _idle(backend: str, seconds: float) -> tuple[float, float]:
+async def _idle(peer: Peer, backend: str, seconds: float) -> tuple[float, float]:
     """CPU seconds used by a reader process awaiting an empty ring, and the wall seconds."""
     with anyio.fail_after(MEASURE_TIMEOUT):
-        channel = AioshmqChannel(1)
+        channel = peer.channel(1)
         tx = channel.sender()
         try:
             with Children() as kids:
                 kid = kids.start(
-                    f"idle-reader-{backend}",
+                    f"{peer.name}-idle-reader-{backend}",
                     reader_main,
                     channel,
                     0,
@@ -325,8 +306,10 @@ async def _idle(backend: str, seconds: float) -> tuple[float, float]:
     return cpu1 - cpu0, t1 - t0
 
 
-def _idle_cost(backend: str, seconds: float, params: dict[str, Any]) -> dict[str, float]:
-    cpu, wall = run_backend("asyncio", _idle, backend, seconds)
+def _idle_cost(
+    peer: Peer, backend: str, seconds: float, params: dict[str, Any]
+) -> dict[str, float]:
+    cpu, wall = run_backend("asyncio", _idle, peer, backend, seconds)
     params["cpu_seconds"], params["wall_seconds"] = cpu, round(wall, 3)
     return {"cpu": 100.0 * cpu / wall}
 
@@ -342,7 +325,7 @@ def small(bench: Bench) -> None:
     """100-byte objects, 1 writer -> 1 reader: one per put, and in batches of 64."""
     workload = Workload("small")
     for case, batch in (("one per put", None), ("batches of 64", 64)):
-        for peer in (AIOSHMQ, MP_QUEUE, ZMQ, FASTER_FIFO):
+        for peer in (AIOSHMQ, MP_QUEUE, ZMQ, FASTER_FIFO, VLLM):
             params: dict[str, Any] = {
                 "readers": 1,
                 "object_bytes": 100,
@@ -352,6 +335,8 @@ def small(bench: Bench) -> None:
                 "depth": SMALL_DEPTH,
                 "backend": "asyncio",
             }
+            if peer is VLLM:
+                params["depth"] = VLLM_MAX_CHUNKS
             fn = partial(_throughput, bench, peer, workload, batch=batch)
             bench.measure(
                 "small",
@@ -407,6 +392,28 @@ def large(bench: Bench) -> None:
                 partial(_throughput, bench, peer, workload, depth=ARRAY_DEPTH),
                 absent=no_numpy or peer.missing(),
             )
+        chunk = nbytes + CHUNK_SLACK  # a chunk holds one array: none goes over zmq instead
+        bench.measure(
+            "large",
+            case,
+            VLLM.name,
+            {"throughput": "GB/s"},
+            {
+                "bytes": nbytes,
+                "capacity": ARRAY_DEPTH * chunk,
+                "depth": ARRAY_DEPTH,
+                "how": "enqueue/dequeue, pickled (out-of-band from 1 MiB) into a chunk",
+            },
+            partial(
+                _throughput,
+                bench,
+                VLLM,
+                workload,
+                capacity=ARRAY_DEPTH * chunk,
+                depth=ARRAY_DEPTH,
+            ),
+            absent=no_numpy or VLLM.missing(),
+        )
     workload = Workload("array", 64 * MiB)
     bench.measure(
         "large",
@@ -423,8 +430,9 @@ def latency(bench: Bench) -> None:
     """Ping-pong of a 100-byte object between two processes: p50 and p99 round trip, with
     aioshmq's default short spin and with its readers sleeping at once (every message then
     has to wake its peer, as the eventfd floor does)."""
-    for peer in (AIOSHMQ, EVENTFD, ZMQ, MP_QUEUE, FASTER_FIFO):
-        how = "two rings, default spin" if peer is AIOSHMQ else peer.how
+    hows = {AIOSHMQ.name: "two rings, default spin", VLLM.name: f"two queues, {VLLM.how}"}
+    for peer in (AIOSHMQ, EVENTFD, ZMQ, MP_QUEUE, FASTER_FIFO, VLLM):
+        how = hows.get(peer.name, peer.how)
         bench.measure(
             "latency",
             "round trip",
@@ -447,24 +455,33 @@ def latency(bench: Bench) -> None:
 
 
 def broadcast(bench: Bench) -> None:
-    """100-byte objects from 1 writer to 1, 2 and 4 readers, each receiving every message."""
+    """100-byte objects from 1 writer to 1, 2 and 4 readers, each receiving every message:
+    aioshmq and vLLM's MessageQueue, the two transports here that broadcast."""
     workload = Workload("small")
     for readers in (1, 2, 4):
         case = f"1 -> {readers} reader{'s' if readers > 1 else ''}"
-        bench.measure(
-            "broadcast",
-            case,
-            "aioshmq",
-            {"throughput": "msg/s"},
-            {"readers": readers, "object_bytes": 100, "how": "put/get, one message per put"},
-            partial(_throughput, bench, AIOSHMQ, workload, readers=readers),
-        )
-        bench.reference("broadcast", case, VLLM, "throughput", VLLM_BROADCAST[readers], "msg/s")
+        for peer, how in (
+            (AIOSHMQ, "put/get, one message per put"),
+            (VLLM, "enqueue/dequeue, one message per enqueue, sync (no async API)"),
+        ):
+            bench.measure(
+                "broadcast",
+                case,
+                peer.name,
+                {"throughput": "msg/s"},
+                {"readers": readers, "object_bytes": 100, "how": how},
+                partial(_throughput, bench, peer, workload, readers=readers),
+                absent=peer.missing(),
+            )
 
 
 def idle(bench: Bench) -> None:
-    """CPU used by a reader process awaiting an empty ring, as % of a core."""
+    """CPU used by a reader process awaiting an empty ring, as % of a core, watched from
+    IDLE_SETTLE after the writer knows it is there.  vLLM's reader blocks in ``dequeue()``
+    whatever the event loop, so it is watched once, under asyncio; a reader that spins for a
+    while before it sleeps shows it here in proportion to the time watched."""
     seconds = bench.budget.idle_seconds
+    how = "utime+stime from /proc/<pid>/stat"
     for backend, module in (("asyncio", "asyncio"), ("uvloop", "uvloop"), ("trio", "trio")):
         absent = None if importlib.util.find_spec(module) else "not installed"
         bench.measure(
@@ -472,11 +489,19 @@ def idle(bench: Bench) -> None:
             backend,
             "aioshmq",
             {"cpu": "% core"},
-            {"seconds": seconds, "how": "utime+stime from /proc/<pid>/stat"},
-            partial(_idle_cost, backend, seconds),
+            {"seconds": seconds, "settle": IDLE_SETTLE, "how": f"get(); {how}"},
+            partial(_idle_cost, AIOSHMQ, backend, seconds),
             absent=absent,
         )
-        bench.reference("idle", backend, VLLM, "cpu", VLLM_IDLE, "% core")
+    bench.measure(
+        "idle",
+        "asyncio",
+        VLLM.name,
+        {"cpu": "% core"},
+        {"seconds": seconds, "settle": IDLE_SETTLE, "how": f"dequeue(); {how}"},
+        partial(_idle_cost, VLLM, "asyncio", seconds),
+        absent=VLLM.missing(),
+    )
 
 
 def lag(bench: Bench) -> None:
