@@ -1,7 +1,14 @@
 """aioshmq: one writer broadcasts Python objects to N reader processes through shared memory."""
 
 from . import rpc
-from ._errors import CorruptedError, Empty, Full, PeerDied
+from ._errors import (
+    CorruptedError,
+    Empty,
+    Full,
+    PeerDied,
+    SerializationError,
+    UndeliveredWarning,
+)
 from ._handle import Handle
 from ._reader import Lease, Reader, ReaderStatistics, connect
 from ._writer import Writer, WriterStatistics, create
@@ -15,6 +22,8 @@ __all__ = [
     "PeerDied",
     "Reader",
     "ReaderStatistics",
+    "SerializationError",
+    "UndeliveredWarning",
     "Writer",
     "WriterStatistics",
     "connect",

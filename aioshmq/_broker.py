@@ -1,31 +1,42 @@
 """Attaching readers: the writer's broker thread and the handshake readers run against it.
 
 A ring is found by name through an abstract Unix socket (no file to leak, gone with the
-writer's process).  An attaching reader connects, names its slot, and receives the memfd
-and the wake-up fds over SCM_RIGHTS.  It keeps the connection open: its end-of-file tells
-the writer the reader has gone (and the reader that the writer has), whoever closed it and
-however the process ended.
+writer's process).  Each side checks who the other is (``SO_PEERCRED``) before it trusts it:
+the broker serves only its own user and root, a reader accepts only a writer of its own
+user (or of a uid it names).  An attaching reader asks for a slot, receives the memfd and
+the wake-up fds over SCM_RIGHTS, maps the ring, and only then confirms; the slot changes
+hands at the confirmation, so a connect that fails on the way leaves the slot as it was.
+The reader keeps the connection open: its end-of-file tells the writer the reader has gone
+(and the reader that the writer has), whoever closed it and however the process ended.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import selectors
 import socket
 import struct
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
+from ._errors import busy
 from ._notify import Notifier, NotifierKind
 from ._ring import DEAD, RingWriter
 
 PREFIX = "\0aioshmq/"
-BYE = b"bye"
-_CRED = struct.Struct("3i")
 NAME_MAX = 100
+BYE = b"bye"  # reader -> broker: a clean departure; broker -> reader: acknowledged
+ATTACH = b"attach"  # reader -> broker: mapped and ready, hand me the slot
+ATTACHED = b"attached"  # broker -> reader: the slot is yours
+ABORT = b"abort"  # reader -> broker: the connect failed, put the slot back as it was
+MAX_REQUEST = 512  # bytes: an attach request is a small JSON object
+ACCEPT_RETRY = 0.05  # s: pause before accepting again after running out of fds
+_CRED = struct.Struct("3i")
 
 
 def check_name(name: object) -> str:
@@ -48,15 +59,30 @@ def pidfd_of(pid: int) -> int:
         return -1
 
 
-class _Conn:
-    """One reader connection, attached to a slot once its request is granted."""
+def peer_credentials(sock: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the process at the other end, as the kernel recorded them."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size)
+    pid, uid, _gid = _CRED.unpack(creds)
+    return pid, uid
 
-    __slots__ = ("bye", "index", "pid", "pidfd", "sock")
+
+def fds_for(kind: NotifierKind) -> int:
+    """How many fds a reader receives: the memfd, the writer's wake-up write end, its own
+    wake-up fd, and for a pipe its write end too (so a closing thread can wake a sleeper)."""
+    return 4 if kind == "pipe" else 3
+
+
+class _Conn:
+    """One reader connection: granted a slot on request, holding it once it confirms."""
+
+    __slots__ = ("attached", "bye", "index", "pid", "pidfd", "prior", "sock")
 
     def __init__(self, sock: socket.socket, pid: int) -> None:
         self.sock = sock
         self.pid = pid
-        self.index: int | None = None
+        self.index: int | None = None  # the slot granted (reserved, then held)
+        self.attached = False
+        self.prior: tuple[int, int] = (0, 0)  # the slot's state and dead pid before the attach
         self.pidfd = -1
         self.bye = False
 
@@ -67,8 +93,19 @@ class _Conn:
             self.pidfd = -1
 
 
+class _Refused(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 class Broker:
-    """Serves attach requests for one ring and notices when a reader goes away."""
+    """Serves attach requests for one ring and notices when a reader goes away.
+
+    It survives any request and any transient error (a malformed or hostile packet is
+    refused, a shortage of fds pauses accepting); if its thread ever stops for another
+    reason, ``failure`` says why and the writer raises instead of waiting on it.
+    """
 
     def __init__(
         self,
@@ -81,6 +118,7 @@ class Broker:
         on_change: Callable[[], None],
         *,
         detach_dead: bool,
+        on_failure: Callable[[], None] | None = None,
     ) -> None:
         self.name = name
         self.ring = ring
@@ -90,167 +128,249 @@ class Broker:
         self.serializer = serializer
         self.on_change = on_change
         self.detach_dead = detach_dead
+        self.on_failure = on_failure or on_change
+        self.failure: BaseException | None = None
+        self.accept_errors = 0  # accepts that met a shortage of fds (and were retried)
+        self._uid = os.getuid()
         self._dead_pids: dict[int, int] = {}
+        self._conns: set[_Conn] = set()
+        self._resume_accept: float | None = None
+        self._stop_r = self._stop_w = -1
+        self._sel: selectors.BaseSelector | None = None
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
-            self._listener.bind(PREFIX + name)
-        except OSError as exc:
-            self._listener.close()
-            if isinstance(exc, OSError) and exc.errno == 98:  # EADDRINUSE
-                raise FileExistsError(f"an aioshmq ring named {name!r} already exists") from None
+            try:
+                self._listener.bind(PREFIX + name)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise FileExistsError(
+                        f"an aioshmq ring named {name!r} already exists"
+                    ) from None
+                raise
+            self._listener.listen(64)
+            self._listener.setblocking(False)
+            self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+            self._sel = selectors.DefaultSelector()
+            self._sel.register(self._listener, selectors.EVENT_READ)
+            self._sel.register(self._stop_r, selectors.EVENT_READ)
+            self._thread = threading.Thread(
+                target=self._run, name=f"aioshmq-broker-{name}", daemon=True
+            )
+            self._thread.start()
+        except BaseException:
+            self._close_fds()
             raise
-        self._listener.listen(64)
-        self._listener.setblocking(False)
-        self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-        self._conns: set[_Conn] = set()
-        self._thread = threading.Thread(
-            target=self._run, name=f"aioshmq-broker-{name}", daemon=True
-        )
-        self._thread.start()
 
     # -- thread --------------------------------------------------------------------------
 
     def _run(self) -> None:
-        sel = selectors.DefaultSelector()
         try:
-            sel.register(self._listener, selectors.EVENT_READ)
-            sel.register(self._stop_r, selectors.EVENT_READ)
-            while True:
-                for key, _ in sel.select():
-                    if key.fileobj == self._stop_r:
-                        return
-                    if key.fileobj is self._listener:
-                        self._accept(sel)
-                    elif isinstance(key.data, _Conn):
-                        conn = key.data
-                        if conn not in self._conns:
-                            continue  # gone on an earlier event of this same batch
-                        if key.fileobj is conn.sock:
-                            self._readable(sel, conn)
-                        else:  # its pidfd: the reader's process has exited
-                            self._gone(sel, conn)
-        finally:
-            sel.close()
-            for conn in list(self._conns):
-                conn.close()
-            self._conns.clear()
+            self._serve()
+        except BaseException as exc:  # never silent: the writer raises on its next call
+            self.failure = exc
+            try:
+                self.on_failure()
+            except Exception:
+                pass
+
+    def _serve(self) -> None:
+        sel = self._sel
+        assert sel is not None
+        while True:
+            timeout = None
+            if self._resume_accept is not None:
+                timeout = self._resume_accept - time.monotonic()
+                if timeout <= 0:
+                    self._resume_accept = None
+                    sel.register(self._listener, selectors.EVENT_READ)
+                    timeout = None
+            for key, _ in sel.select(timeout):
+                if key.fileobj == self._stop_r:
+                    return
+                if key.fileobj is self._listener:
+                    self._accept(sel)
+                    continue
+                conn = key.data
+                if not isinstance(conn, _Conn) or conn not in self._conns:
+                    continue  # gone on an earlier event of this same batch
+                try:
+                    if key.fileobj is conn.sock:
+                        self._readable(sel, conn)
+                    else:  # its pidfd: the reader's process has exited
+                        self._gone(sel, conn)
+                except Exception:  # whatever one peer did, the others go on being served
+                    self._settle(sel, conn)
 
     def _accept(self, sel: selectors.BaseSelector) -> None:
         try:
             sock, _ = self._listener.accept()
         except (BlockingIOError, InterruptedError, ConnectionAbortedError):
             return
-        pid, uid, _gid = _CRED.unpack(
-            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size)
-        )
-        if uid not in (os.getuid(), 0):
+        except OSError:
+            # Out of fds (EMFILE, ENFILE) or kernel memory: the connection waits in the
+            # backlog, and retrying at once would spin on it.
+            self.accept_errors += 1
+            sel.unregister(self._listener)
+            self._resume_accept = time.monotonic() + ACCEPT_RETRY
+            return
+        try:
+            pid, uid = peer_credentials(sock)
+            sock.setblocking(False)
+            conn = _Conn(sock, pid)
+            if uid not in (self._uid, 0):
+                self._send_refusal(
+                    conn,
+                    "permission",
+                    f"user uid {uid} may not attach to ring {self.name!r}: it belongs to uid "
+                    f"{self._uid}, and only the same user or root may attach",
+                )
+                sock.close()
+                return
+            sel.register(sock, selectors.EVENT_READ, conn)
+        except Exception:
             sock.close()
             return
-        sock.setblocking(False)
-        conn = _Conn(sock, pid)
         self._conns.add(conn)
-        sel.register(sock, selectors.EVENT_READ, conn)
 
     def _readable(self, sel: selectors.BaseSelector, conn: _Conn) -> None:
         try:
-            data = conn.sock.recv(4096)
-        except BlockingIOError:
+            data, _anc, flags, _addr = conn.sock.recvmsg(MAX_REQUEST)
+        except (BlockingIOError, InterruptedError):
             return
         except OSError:
-            data = b""
-        if data == BYE:
+            data, flags = b"", 0
+        if not data:  # end of file
+            self._gone(sel, conn)
+        elif conn.index is None:
+            if flags & socket.MSG_TRUNC:
+                text = f"attach request longer than {MAX_REQUEST} bytes"
+                self._refuse(sel, conn, "request", text)
+            else:
+                self._grant(sel, conn, data)
+        elif not conn.attached:
+            if data == ATTACH:
+                self._attach(sel, conn)
+            else:  # an abort, or garbage: the connect failed before the slot changed hands
+                self._drop(sel, conn)
+        elif data == BYE:
             conn.bye = True
             self._gone(sel, conn)  # acknowledged there: the slot is free when close() returns
-        elif data and conn.index is None:
-            self._attach(sel, conn, data)
-        else:  # end of file, or garbage from an attached reader: it is gone
+        elif data == ABORT:
+            self._abort(sel, conn)
+        else:  # garbage from an attached reader: it is gone
             self._gone(sel, conn)
 
+    def _grant(self, sel: selectors.BaseSelector, conn: _Conn, data: bytes) -> None:
+        """Phase one: reserve the slot and send the fds; nothing about the slot changes yet."""
+        try:
+            index = _parse_request(data, self.ring.layout.readers)
+            holder = next((c for c in self._conns if c.index == index), None)
+            if holder is not None:
+                raise _Refused(
+                    "busy",
+                    f"reader slot {index} of ring {self.name!r} is held by a live reader "
+                    f"(pid {holder.pid})",
+                )
+        except _Refused as exc:
+            self._refuse(sel, conn, exc.code, str(exc))
+            return
+        conn.index = index
+        reply = {"ok": True, "notifier": self.writer_wake.kind, "serializer": self.serializer}
+        wake = self.reader_wake[index]
+        fds = [self.segment_fd, self.writer_wake.write_fd, wake.read_fd]
+        if wake.kind == "pipe":
+            fds.append(wake.write_fd)
+        try:
+            socket.send_fds(conn.sock, [json.dumps(reply).encode()], fds)
+        except OSError:
+            self._drop(sel, conn)  # the reader went away already
+
+    def _attach(self, sel: selectors.BaseSelector, conn: _Conn) -> None:
+        """Phase two: the reader has mapped the ring; the slot is now its own."""
+        index = conn.index
+        assert index is not None
+        self.reader_wake[index].drain()
+        conn.prior = (self.ring.attach(index), self._dead_pids.pop(index, 0))
+        conn.attached = True
+        conn.pidfd = pidfd_of(conn.pid)
+        if conn.pidfd >= 0:
+            sel.register(conn.pidfd, selectors.EVENT_READ, conn)
+        try:
+            conn.sock.send(ATTACHED)
+        except OSError:
+            pass  # the reader went away already: its end-of-file settles the slot
+        self.on_change()
+
+    def _abort(self, sel: selectors.BaseSelector, conn: _Conn) -> None:
+        """The reader's connect failed after the slot changed hands: give it back as it was."""
+        index = conn.index
+        assert index is not None
+        state, dead_pid = conn.prior
+        self.ring.restore(index, state)
+        if state == DEAD:
+            self._dead_pids[index] = dead_pid
+        self._drop(sel, conn)
+        self.on_change()
+
     def _gone(self, sel: selectors.BaseSelector, conn: _Conn) -> None:
-        """The reader closed its end, or its process ended: free or mark its slot."""
+        """The connection ended or the reader's process did: free or mark its slot."""
+        if not conn.attached:
+            self._drop(sel, conn)
+            return
         # The pidfd can fire before the socket's last words are read: a "bye" sent just
         # before a normal exit still makes this a clean departure.
         while not conn.bye:
             try:
-                data = conn.sock.recv(4096)
-            except (BlockingIOError, OSError):
+                data = conn.sock.recv(MAX_REQUEST)
+            except OSError:
                 break
             if not data:
                 break
+            if data == ABORT:
+                self._abort(sel, conn)
+                return
             conn.bye = data == BYE
-        sel.unregister(conn.sock)
-        if conn.pidfd >= 0:
-            sel.unregister(conn.pidfd)
-        self._conns.discard(conn)
         index = conn.index
-        if index is not None:
-            if conn.bye or self.detach_dead:
-                self.ring.detach(index)
-            else:
-                self._dead_pids[index] = conn.pid
-                self.ring.detach(index, DEAD)
+        assert index is not None
+        if conn.bye or self.detach_dead:
+            self.ring.detach(index)
+        else:
+            self._dead_pids[index] = conn.pid
+            self.ring.detach(index, DEAD)
         if conn.bye:
             try:
                 conn.sock.send(BYE)
             except OSError:
                 pass
-        conn.close()
-        if index is not None:
-            self.on_change()
-
-    def _attach(self, sel: selectors.BaseSelector, conn: _Conn, data: bytes) -> None:
-        try:
-            request = json.loads(data)
-            index = request["reader"]
-            if not isinstance(index, int):
-                raise TypeError
-        except (ValueError, KeyError, TypeError):
-            self._refuse(sel, conn, "request", f"malformed attach request {data[:100]!r}")
-            return
-        readers = self.ring.layout.readers
-        if not 0 <= index < readers:
-            self._refuse(
-                sel,
-                conn,
-                "range",
-                f"reader={index} is out of range: this ring has readers 0..{readers - 1}",
-            )
-            return
-        holder = next((c for c in self._conns if c.index == index), None)
-        if holder is not None:
-            self._refuse(
-                sel,
-                conn,
-                "busy",
-                f"reader slot {index} of ring {self.name!r} is held by a live reader "
-                f"(pid {holder.pid})",
-            )
-            return
-        self.reader_wake[index].drain()
-        self.ring.attach(index)
-        self._dead_pids.pop(index, None)
-        conn.index = index
-        conn.pidfd = pidfd_of(conn.pid)
-        if conn.pidfd >= 0:
-            sel.register(conn.pidfd, selectors.EVENT_READ, conn)
-        reply = {
-            "ok": True,
-            "notifier": self.writer_wake.kind,
-            "serializer": self.serializer,
-        }
-        fds = [self.segment_fd, self.writer_wake.write_fd, self.reader_wake[index].read_fd]
-        try:
-            socket.send_fds(conn.sock, [json.dumps(reply).encode()], fds)
-        except OSError:
-            pass  # the reader went away already: its end-of-file frees the slot
+        self._drop(sel, conn)
         self.on_change()
 
+    def _settle(self, sel: selectors.BaseSelector, conn: _Conn) -> None:
+        """Handling ``conn`` failed: end it as if it had gone, at the least forget it."""
+        if conn in self._conns:
+            try:
+                self._gone(sel, conn)
+            except Exception:
+                self._drop(sel, conn)
+
     def _refuse(self, sel: selectors.BaseSelector, conn: _Conn, code: str, msg: str) -> None:
+        self._send_refusal(conn, code, msg)
+        self._drop(sel, conn)
+
+    @staticmethod
+    def _send_refusal(conn: _Conn, code: str, msg: str) -> None:
         try:
             conn.sock.send(json.dumps({"ok": False, "error": code, "message": msg}).encode())
         except OSError:
             pass
-        sel.unregister(conn.sock)
+
+    def _drop(self, sel: selectors.BaseSelector, conn: _Conn) -> None:
+        """Forget a connection (the slot's state is settled by the caller)."""
+        for fileobj in (conn.sock, conn.pidfd):
+            try:
+                sel.unregister(fileobj)
+            except (KeyError, ValueError):
+                pass
         self._conns.discard(conn)
         conn.close()
 
@@ -266,26 +386,45 @@ class Broker:
             return
         os.write(self._stop_w, b"x")
         self._thread.join()
-        self._close_fds()
+        self.abandon()
 
     def abandon(self) -> None:
-        """In a forked child: release the inherited fds, touch nothing shared."""
+        """Release every fd (in a forked child: without touching anything shared)."""
         for conn in list(self._conns):
             conn.close()
         self._conns.clear()
         self._close_fds()
 
     def _close_fds(self) -> None:
+        if self._sel is not None:
+            self._sel.close()
+            self._sel = None
         self._listener.close()
-        if self._stop_w >= 0:
+        if self._stop_r >= 0:
             os.close(self._stop_r)
             os.close(self._stop_w)
             self._stop_r = self._stop_w = -1
 
 
+def _parse_request(data: bytes, readers: int) -> int:
+    """The slot an attach request asks for; _Refused if it is malformed or out of range."""
+    try:
+        request = json.loads(data)
+        index = request["reader"]
+    except Exception:  # not JSON (nested too deep, say), not an object, no "reader"
+        raise _Refused("request", f"malformed attach request {data[:100]!r}") from None
+    if isinstance(index, bool) or not isinstance(index, int):
+        raise _Refused("request", f"malformed attach request {data[:100]!r}")
+    if not 0 <= index < readers:
+        raise _Refused(
+            "range", f"reader={index} is out of range: this ring has readers 0..{readers - 1}"
+        )
+    return index
+
+
 @dataclass
 class Attachment:
-    """What a reader receives from the writer's broker."""
+    """What a reader receives from the writer's broker before it confirms."""
 
     sock: socket.socket
     segment_fd: int
@@ -293,68 +432,136 @@ class Attachment:
     reader_wake: Notifier
     serializer: str
     writer_pid: int
+    deadline: float | None
+    fds: list[int] = field(default_factory=list)
+
+    def close(self) -> None:
+        """Release what was received (a connect that failed)."""
+        self.sock.close()
+        for fd in self.fds:
+            if fd >= 0:
+                os.close(fd)
+        self.fds = []
+        self.segment_fd = -1
 
 
-def request(name: str, index: int, timeout: float | None) -> Attachment:
-    """Attach to slot ``index`` of the ring named ``name``; raises a clear error if refused."""
-    import anyio
+def _remaining(deadline: float | None) -> float | None:
+    if deadline is None:
+        return None
+    return max(deadline - time.monotonic(), 0.0)
 
+
+def request(
+    name: str, index: int, deadline: float | None, trusted_uids: Iterable[int] = ()
+) -> Attachment:
+    """Ask for slot ``index`` of the ring named ``name``; raises a clear error if refused.
+
+    Nothing is sent before the serving process is known to run as this user (or as one of
+    ``trusted_uids``): a ring served by another user could make this process unpickle
+    anything.
+    """
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    fds: list[int] = []
     try:
-        sock.settimeout(timeout)
+        sock.settimeout(_remaining(deadline))
         try:
             sock.connect(PREFIX + name)
         except (FileNotFoundError, ConnectionRefusedError):
             raise FileNotFoundError(
                 f"no aioshmq ring named {name!r} (its writer closed, or never existed)"
             ) from None
+        writer_pid, uid = peer_credentials(sock)
+        me = os.getuid()
+        if uid != me and uid not in trusted_uids:
+            if me != 0:
+                raise PermissionError(
+                    f"ring {name!r} belongs to uid {uid}: this user (uid {me}) may not attach "
+                    "to it (only the same user or root may)"
+                )
+            raise PermissionError(
+                f"ring {name!r} is served by uid {uid} (pid {writer_pid}), not by this user "
+                f"(uid {me}): refused, since its messages could run code in this process; "
+                f"pass connect(..., trusted_uids=[{uid}]) to accept that user"
+            )
         try:
             sock.send(json.dumps({"reader": index, "pid": os.getpid()}).encode())
-            msg, fds, _flags, _addr = socket.recv_fds(sock, 4096, 4, socket.MSG_CMSG_CLOEXEC)
+            msg, fds, flags, _addr = socket.recv_fds(sock, 4096, 4, socket.MSG_CMSG_CLOEXEC)
             for fd in fds:  # some kernels ignore MSG_CMSG_CLOEXEC: make sure
                 os.set_inheritable(fd, False)
         except TimeoutError:
             raise TimeoutError(
-                f"the writer of ring {name!r} did not answer within {timeout} s"
+                f"the writer of ring {name!r} did not answer within the timeout"
             ) from None
         except (ConnectionResetError, BrokenPipeError):
-            msg, fds = b"", []
+            msg, flags = b"", 0
+        if flags & socket.MSG_CTRUNC:
+            raise OSError(
+                errno.EMFILE,
+                f"too many open files: this process could not receive the fds of ring {name!r}",
+            )
         reply: dict[str, Any] = (
             json.loads(msg)
             if msg
             else {"ok": False, "error": "gone", "message": f"the writer of ring {name!r} closed"}
         )
         if not reply.get("ok"):
-            for fd in fds:
-                os.close(fd)
-            text = reply.get("message", "attach refused")
+            text = str(reply.get("message", "attach refused"))
             code = reply.get("error")
             if code == "range":
                 raise ValueError(text)
             if code == "busy":
-                raise anyio.BusyResourceError(text)
+                raise busy(text)
             if code == "gone":
                 raise FileNotFoundError(text)
+            if code == "permission":
+                raise PermissionError(text)
             raise RuntimeError(text)
-        if len(fds) != 3:
-            for fd in fds:
-                os.close(fd)
-            raise RuntimeError(f"writer of ring {name!r} sent {len(fds)} fds instead of 3")
         kind: NotifierKind = reply["notifier"]
-        # The writer's pid as this process's pid namespace sees it (not as it reported it).
-        writer_pid = _CRED.unpack(
-            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size)
-        )[0]
-        seg_fd, wfd, rfd = fds
-        sock.setblocking(False)
-        return Attachment(
+        if kind not in ("eventfd", "pipe") or len(fds) != fds_for(kind):
+            raise RuntimeError(f"the writer of ring {name!r} sent {len(fds)} fds for {kind!r}")
+        seg_fd, wfd, rfd = fds[:3]
+        own_w = fds[3] if kind == "pipe" else rfd
+        att = Attachment(
             sock=sock,
             segment_fd=seg_fd,
             writer_wake=Notifier(kind, -1 if kind == "pipe" else wfd, wfd),
-            reader_wake=Notifier(kind, rfd, -1 if kind == "pipe" else rfd),
-            serializer=reply["serializer"],
+            reader_wake=Notifier(kind, rfd, own_w),
+            serializer=str(reply["serializer"]),
             writer_pid=writer_pid,
+            deadline=deadline,
+            fds=fds,
         )
     except BaseException:
+        for fd in fds:
+            os.close(fd)
         sock.close()
         raise
+    return att
+
+
+def confirm(att: Attachment, name: str) -> None:
+    """Phase two: tell the broker this reader is ready and wait until the slot is its own.
+
+    A connect that fails here (a timeout, an interrupt) asks the broker to put the slot
+    back as it was, so a reader that never started leaves nothing behind.
+    """
+    sock = att.sock
+    try:
+        sock.settimeout(_remaining(att.deadline))
+        sock.send(ATTACH)
+        answer = sock.recv(16)
+    except BaseException as exc:
+        try:
+            sock.send(ABORT, socket.MSG_DONTWAIT)
+        except OSError:
+            pass
+        if isinstance(exc, TimeoutError):
+            raise TimeoutError(
+                f"the writer of ring {name!r} did not answer within the timeout"
+            ) from None
+        if isinstance(exc, OSError):
+            raise FileNotFoundError(f"the writer of ring {name!r} closed") from None
+        raise
+    if answer != ATTACHED:
+        raise FileNotFoundError(f"the writer of ring {name!r} closed")
+    sock.setblocking(False)

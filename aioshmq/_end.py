@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import select
+import sys
+import threading
 import time
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Self
 
 import anyio
 from anyio.lowlevel import checkpoint
@@ -17,8 +20,10 @@ from anyio.lowlevel import checkpoint
 from ._notify import Notifier
 
 YIELD_INTERVAL = 0.001  # an end that never has to wait still yields to the loop this often
+CLOSE_WAIT = 5.0  # s: how long close() waits for calls blocked in other threads to leave
 
 _live: weakref.WeakSet[End] = weakref.WeakSet()
+_tokens = itertools.count()
 
 
 def _after_fork_in_child() -> None:
@@ -29,12 +34,25 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def in_event_loop() -> bool:
+    """Whether this thread is running an asyncio or trio event loop right now."""
+    if asyncio.events._get_running_loop() is not None:
+        return True
+    trio = sys.modules.get("trio")
+    return trio is not None and bool(trio.lowlevel.in_trio_run())
+
+
 class End:
     """Lifecycle shared by the writer and the readers.
 
     An end belongs to the process that made it.  A forked child gets a copy it cannot use:
     the copy's fds are closed in the child at once, so they never keep a dead peer looking
     alive, and nothing shared is touched.
+
+    ``close()`` may come from any thread.  Every call that sleeps holds the end while it
+    touches the ring and its fds; closing wakes the holders (through the end's own wake-up
+    fd), and the fds and the mapping are released only once the last of them has left, so
+    no call ever waits on, or reads from, something closed or reused.
     """
 
     _role = "end"
@@ -42,53 +60,155 @@ class End:
 
     def __init__(self) -> None:
         self._closed = False
+        self._released = False
+        self._clean = True
         self._pid = os.getpid()
+        self._forked = False
         self._lock = anyio.Lock(fast_acquire=True)
         self._waiting = 0
         self._next_yield = 0.0
         self._wait_fd = -1
         # On asyncio the wait fd stays registered with the loop between sleeps (see _sleep).
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread = 0
         self._waiter: asyncio.Future[None] | None = None
+        self._mutex = threading.Lock()
+        self._holds: dict[int, tuple[int, bool]] = {}  # token -> (thread, is async)
+        self._blockers: set[int] = set()  # holds that must leave before the release
+        self._loop_pending = False  # a foreign loop has yet to unregister the wait fd
+        self._done = threading.Event()
         _live.add(self)
 
     # -- lifecycle -------------------------------------------------------------------------
 
     def _check(self) -> None:
         if self._closed:
+            if self._forked:
+                raise anyio.ClosedResourceError(
+                    f"this aioshmq {self._role} was inherited through fork from process "
+                    f"{self._pid} and cannot be used here: pass the ring's handle (or name) "
+                    "to the child and call aioshmq.connect() there"
+                )
             raise anyio.ClosedResourceError(f"this aioshmq {self._role} is closed")
 
     def _release(self, *, clean: bool) -> None:
         """Give every resource back; ``clean`` is False in a forked child."""
         raise NotImplementedError
 
+    def _interrupt(self) -> None:
+        """Make the wait fd readable, so every sleeper of this end wakes and re-checks."""
+        self._wake.signal()
+
     def _abandon(self) -> None:
         if not self._closed:
-            self._closed = True
-            self._loop = self._waiter = None  # the parent's loop: not this process's to touch
+            self._closed = self._released = self._forked = True
+            # The parent's loop, threads and locks: not this process's to touch.
+            self._mutex = threading.Lock()
+            self._loop = self._waiter = None
+            self._holds.clear()
             self._release(clean=False)
 
     def close(self) -> None:
-        """Close this end now (sync); tasks waiting on it get ClosedResourceError."""
-        if self._closed:
-            return
-        self._closed = True
-        waiter, self._waiter = self._waiter, None
-        self._unregister()
-        if waiter is not None and not waiter.done():
-            waiter.set_exception(anyio.ClosedResourceError(f"this aioshmq {self._role} was closed"))
-        elif self._waiting and self._wait_fd >= 0:
+        """Close this end now (sync), from any thread; calls waiting on it get
+        ClosedResourceError."""
+        me = threading.get_ident()
+        with self._mutex:
+            if self._closed:
+                return
+            self._closed = True
+            self._clean = os.getpid() == self._pid
+            waiter, self._waiter = self._waiter, None
+            loop, loop_thread = self._loop, self._loop_thread
+            here_async = any(t == me and is_async for t, is_async in self._holds.values())
+            # Sleepers of this thread's own event loop are woken below and never touch the
+            # end again; any other (a blocking call, another thread's loop) must leave first.
+            self._blockers = {
+                token for token, (t, is_async) in self._holds.items() if t != me or not is_async
+            }
+            foreign = (
+                loop is not None
+                and loop_thread != me
+                and loop.is_running()
+                and not loop.is_closed()
+            )
+            self._loop_pending = foreign
+            blockers_here = any(self._holds[token][0] == me for token in self._blockers)
+        if self._blockers or foreign:
+            self._interrupt()
+        if foreign:
+            assert loop is not None
             try:
-                anyio.notify_closing(self._wait_fd)
-            except Exception:  # no event loop in this thread: nobody can be waiting in one
-                pass
-        self._release(clean=os.getpid() == self._pid)
+                loop.call_soon_threadsafe(self._unregister_in_loop, loop, waiter)
+            except RuntimeError:  # closed meanwhile: nothing registered any more
+                self._loop_done()
+        else:
+            self._unregister()
+            if waiter is not None and not waiter.done():
+                waiter.set_exception(self._closed_error())
+            elif here_async and self._wait_fd >= 0 and not self._notify_closing():
+                with self._mutex:  # no way to wake them now: wait for them to leave
+                    self._blockers |= {t for t, (th, a) in self._holds.items() if th == me}
+                self._interrupt()
+        self._try_release()
+        if not self._released and not blockers_here:
+            self._done.wait(CLOSE_WAIT)
+
+    def _notify_closing(self) -> bool:
+        try:
+            anyio.notify_closing(self._wait_fd)
+        except Exception:  # not called from async code: no event loop to notify
+            return False
+        return True
+
+    def _closed_error(self) -> anyio.ClosedResourceError:
+        return anyio.ClosedResourceError(f"this aioshmq {self._role} was closed")
+
+    def _unregister_in_loop(
+        self, loop: asyncio.AbstractEventLoop, waiter: asyncio.Future[None] | None
+    ) -> None:
+        """Run in the loop's own thread: drop the registration a closing thread found."""
+        if self._loop is loop:
+            self._unregister()
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(self._closed_error())
+        self._loop_done()
+
+    def _loop_done(self) -> None:
+        with self._mutex:
+            self._loop_pending = False
+        self._try_release()
+
+    def _try_release(self) -> None:
+        with self._mutex:
+            if self._released or self._blockers or self._loop_pending:
+                return
+            self._released = True
+        try:
+            self._release(clean=self._clean)
+        finally:
+            self._done.set()
+
+    def _hold(self, is_async: bool) -> int:
+        """Register a call that is about to sleep; ClosedResourceError if closed already."""
+        with self._mutex:
+            if self._closed:
+                self._check()
+            token = next(_tokens)
+            self._holds[token] = (threading.get_ident(), is_async)
+        return token
+
+    def _unhold(self, token: int) -> None:
+        with self._mutex:
+            del self._holds[token]
+            self._blockers.discard(token)
+        if self._closed:
+            self._try_release()
 
     async def aclose(self) -> None:
         self.close()
         await checkpoint()
 
-    def __enter__(self) -> Any:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -100,9 +220,13 @@ class End:
         if os.getpid() == self._pid:
             _warn(f"unclosed {self!r}", ResourceWarning, source=self)
         try:
-            self.close()
+            self._close_unwaited()
         except Exception:
             pass
+
+    def _close_unwaited(self) -> None:
+        """``close()`` from the garbage collector: never waits for anything."""
+        self.close()
 
     # -- waiting ---------------------------------------------------------------------------
 
@@ -123,6 +247,7 @@ class End:
             self._wake.drain()
 
     async def _sleep(self) -> None:
+        """Wait until the wait fd is readable (the caller holds the end: ``_hold``)."""
         self._waiting += 1
         try:
             try:
@@ -138,7 +263,7 @@ class End:
                 # Never drained here: the sleep is announced, and its wake-up may be pending.
                 self._unregister()
                 loop.add_reader(self._wait_fd, self._on_readable)
-                self._loop = loop
+                self._loop, self._loop_thread = loop, threading.get_ident()
             self._waiter = waiter = loop.create_future()
             try:
                 await waiter
@@ -163,11 +288,14 @@ class End:
         if loop is not None and not loop.is_closed():
             try:
                 loop.remove_reader(self._wait_fd)
-            except Exception:  # closed from a thread the loop does not run in, or at exit
+            except Exception:  # at exit, or the loop's selector is gone
                 pass
 
     def _sleep_sync(self, deadline: float | None) -> None:
-        """Block until the wait fd is readable or the deadline passes (TimeoutError)."""
+        """Block until the wait fd is readable or the deadline passes (TimeoutError).
+
+        The caller holds the end (``_hold``); a close from another thread wakes this.
+        """
         timeout = None if deadline is None else deadline - time.monotonic()
         if timeout is not None and timeout <= 0:
             raise TimeoutError(f"aioshmq {self._role}: timed out")
@@ -180,6 +308,15 @@ class End:
                 raise TimeoutError(f"aioshmq {self._role}: timed out")
         finally:
             self._waiting -= 1
+
+    def _refuse_in_loop(self, call: str, instead: str) -> None:
+        """A blocking call inside a running event loop would freeze it (or deadlock with
+        the task that should let it go on): refuse it with the call to use instead."""
+        if in_event_loop():
+            raise RuntimeError(
+                f"{call}() blocks, and this thread is running an event loop: "
+                f"use 'await {instead}' here instead"
+            )
 
 
 def deadline_of(timeout: float | None) -> float | None:

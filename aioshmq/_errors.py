@@ -1,10 +1,18 @@
-"""The exceptions aioshmq raises beyond anyio's own."""
+"""The exceptions and warnings aioshmq raises beyond anyio's own."""
 
 from __future__ import annotations
 
 import anyio
 
-__all__ = ["CorruptedError", "Empty", "Full", "PeerDied"]
+__all__ = [
+    "CorruptedError",
+    "Empty",
+    "Full",
+    "PeerDied",
+    "SerializationError",
+    "UndeliveredWarning",
+    "busy",
+]
 
 
 class Full(anyio.WouldBlock):
@@ -27,3 +35,26 @@ class PeerDied(anyio.BrokenResourceError):
 
 class CorruptedError(RuntimeError):
     """The shared memory holds something no writer of this version could have written."""
+
+
+class SerializationError(TypeError):
+    """An object could not be serialized; the serializer's own error is the ``__cause__``."""
+
+
+class UndeliveredWarning(UserWarning):
+    """A writer closed while messages waited for reader slots that no reader ever attached."""
+
+
+class _Busy(anyio.BusyResourceError):
+    # anyio's class words its argument as an action ("Another task is already <action> this
+    # resource"); ours are whole sentences.
+    def __init__(self, message: str) -> None:
+        Exception.__init__(self, message)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def busy(message: str) -> anyio.BusyResourceError:
+    """An ``anyio.BusyResourceError`` whose text is ``message`` as written."""
+    return _Busy(message)

@@ -61,6 +61,11 @@ def align(n: int, to: int) -> int:
     return (n + to - 1) & ~(to - 1)
 
 
+def record_size(payload_len: int) -> int:
+    """Ring bytes a record of ``payload_len`` payload bytes takes: header, payload, padding."""
+    return HEADER_SIZE + ((payload_len + RECORD_ALIGN - 1) & -RECORD_ALIGN)
+
+
 @dataclass(frozen=True)
 class Layout:
     """Where everything lives in one ring's shared memory."""

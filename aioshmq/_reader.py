@@ -7,6 +7,7 @@ import os
 import select
 import socket
 import time
+from collections.abc import Iterable
 from typing import Any, Generic, NamedTuple, TypeVar
 
 import anyio
@@ -14,9 +15,10 @@ from anyio.abc import ObjectReceiveStream
 from anyio.lowlevel import checkpoint
 
 from . import _layout as L
-from ._broker import BYE, check_name, pidfd_of, request
+from ._broker import BYE, Attachment, check_name, confirm, pidfd_of, request
+from ._cancel import pending_checkpoint
 from ._end import End, deadline_of
-from ._errors import CorruptedError, Empty, PeerDied
+from ._errors import CorruptedError, Empty, PeerDied, busy
 from ._handle import Handle
 from ._layout import Layout
 from ._ring import RingReader, decode
@@ -28,6 +30,13 @@ T = TypeVar("T")
 _EMPTY: Any = object()
 BYE_TIMEOUT = 1.0
 DEFAULT_SPIN = 0.0002  # per wait: an idle reader spends at most this once per message
+
+
+def _readable(fd: int, timeout: float) -> bool:
+    """Whether ``fd`` is readable within ``timeout`` s (poll: any fd number, unlike select)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(int(timeout * 1000)))
 
 
 class ReaderStatistics(NamedTuple):
@@ -47,6 +56,7 @@ def connect(
     serializer: SerializerSpec | None = None,
     timeout: float | None = 10.0,
     spin: float = DEFAULT_SPIN,
+    trusted_uids: Iterable[int] = (),
 ) -> Reader[Any]:
     """Attach to reader slot ``reader`` of a ring, by its handle or its name.
 
@@ -54,6 +64,9 @@ def connect(
     one).  ``timeout`` bounds the wait for the writer to answer.  ``spin`` is how long (in
     seconds) an async get keeps yielding to the event loop and looking at the ring before
     it goes to sleep: a message that arrives meanwhile needs no wake-up.  0 sleeps at once.
+    A ring served by a process of another user is refused (its messages could run code in
+    this process) unless that user's uid is in ``trusted_uids``.  A connect that fails
+    leaves the slot exactly as it was.
     """
     if not isinstance(spin, int | float) or isinstance(spin, bool) or not 0 <= spin <= 1:
         raise ValueError(f"spin must be a number of seconds from 0 to 1, not {spin!r}")
@@ -62,8 +75,11 @@ def connect(
         raise TypeError(f"reader must be an int, not {type(reader).__name__}")
     if reader < 0:
         raise ValueError(f"reader={reader} is out of range: slots are numbered from 0")
+    trusted = frozenset(trusted_uids)
+    if any(isinstance(uid, bool) or not isinstance(uid, int) for uid in trusted):
+        raise TypeError(f"trusted_uids must hold ints, not {sorted(map(repr, trusted))}")
     ser = resolve(serializer) if serializer is not None else None
-    att = request(name, reader, timeout)
+    att = request(name, reader, deadline_of(timeout), trusted)
     try:
         if ser is None:
             if att.serializer == "custom":
@@ -72,12 +88,10 @@ def connect(
                     "pass the same one as connect(..., serializer=...)"
                 )
             ser = resolve(att.serializer)
-        return Reader(name, reader, att, ser, float(spin))
     except BaseException:
-        att.sock.close()
-        for fd in {att.segment_fd, *att.writer_wake.fds(), *att.reader_wake.fds()} - {-1}:
-            os.close(fd)
+        att.close()
         raise
+    return Reader(name, reader, att, ser, float(spin))
 
 
 class Lease(Generic[T]):
@@ -104,7 +118,10 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
 
     _role = "reader"
 
-    def __init__(self, name: str, index: int, att: Any, serializer: Any, spin: float = 0.0) -> None:
+    def __init__(
+        self, name: str, index: int, att: Attachment, serializer: Any, spin: float = 0.0
+    ) -> None:
+        """Takes ``att`` over: whether it succeeds or raises, every fd has its owner."""
         super().__init__()
         self._closed = True  # until everything below exists
         self._name = name
@@ -120,15 +137,18 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         self._deferred: BaseException | None = None
         self._spin = spin
         self._pending: collections.deque[Any] = collections.deque()  # the rest of a batch
-        self._seg = Segment.attach(att.segment_fd)
-        att.segment_fd = -1
         self._pidfd = -1
         self._epoll: select.epoll | None = None
+        seg_fd, att.segment_fd = att.segment_fd, -1
+        att.fds.remove(seg_fd)
+        try:
+            self._seg = Segment.attach(seg_fd)
+        except BaseException:
+            att.close()
+            raise
         try:
             self._layout, _ = Layout.read_header(self._seg.buf)
             self._seg.data = self._seg.buf[self._layout.data_offset : self._layout.size]
-            self._ring = RingReader(self._seg, self._layout, index, self._writer_wake.signal)
-            self._seg.words[self._layout.reader_word(index, L.R_PID)] = os.getpid()
             # One fd to wait on: readable on a wake-up, when the writer's connection ends,
             # or when the writer's process exits (pidfd, where the kernel has them).
             self._epoll = select.epoll(3)
@@ -138,13 +158,18 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
             if self._pidfd >= 0:
                 self._epoll.register(self._pidfd, select.EPOLLIN)
             self._wait_fd = self._epoll.fileno()
+            confirm(att, name)  # from here on the slot is this reader's
+            self._ring = RingReader(self._seg, self._layout, index, self._writer_wake.signal)
+            self._seg.words[self._layout.reader_word(index, L.R_PID)] = os.getpid()
         except BaseException:
             if self._epoll is not None:
                 self._epoll.close()
             if self._pidfd >= 0:
                 os.close(self._pidfd)
             self._seg.close()
+            att.close()
             raise
+        att.fds = []  # this reader owns them now
         self._closed = False
 
     def __repr__(self) -> str:
@@ -217,7 +242,7 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         except OSError:
             alive = False
         if alive and self._pidfd >= 0:
-            alive = not select.select([self._pidfd], [], [], 0)[0]
+            alive = not _readable(self._pidfd, 0)
         if not alive and not self._ring.available() and not self._ring.closed():
             raise PeerDied(
                 f"the writer (pid {self._writer_pid}) of ring {self._name!r} died without "
@@ -239,29 +264,38 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
                     return
                 if time.monotonic() >= deadline:
                     break
-        # Drained before announcing the sleep, not after waking: a signal meant for an
-        # earlier sleep cannot then wake this one for nothing.
-        self._drain()
-        if ring.prepare_sleep():
-            try:
-                await self._sleep()
-            finally:
-                if not self._closed:  # closed meanwhile: the ring is gone
-                    ring.end_sleep()
-            self._check()
-            if not ring.available():
-                self._writer_gone()
+        token = self._hold(True)
+        try:
+            # Drained before announcing the sleep, not after waking: a signal meant for an
+            # earlier sleep cannot then wake this one for nothing.
+            self._drain()
+            if ring.prepare_sleep():
+                try:
+                    await self._sleep()
+                finally:
+                    if not self._closed:  # closed meanwhile: never touch the ring again
+                        ring.end_sleep()
+                self._check()
+                if not ring.available():
+                    self._writer_gone()
+        finally:
+            self._unhold(token)
 
     def _wait_sync(self, deadline: float | None) -> None:
         ring = self._ring
-        self._wake.drain()
-        if ring.prepare_sleep():
-            try:
-                self._sleep_sync(deadline)
-            finally:
-                ring.end_sleep()
-            if not ring.available():
-                self._writer_gone()
+        token = self._hold(False)
+        try:
+            self._wake.drain()
+            if ring.prepare_sleep():
+                try:
+                    self._sleep_sync(deadline)
+                finally:
+                    ring.end_sleep()
+                self._check()
+                if not ring.available():
+                    self._writer_gone()
+        finally:
+            self._unhold(token)
 
     def lease(self) -> Lease[T]:
         """The next message without copying it out of the ring, for as long as it is held.
@@ -276,6 +310,8 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
 
     async def _get_leased(self, lease: Lease[T]) -> T:
         self._check()
+        if (cancelled := pending_checkpoint()) is not None:
+            await cancelled()
         async with self._lock:
             while (obj := self._poll(lease=lease)) is _EMPTY:
                 await self._wait()
@@ -289,12 +325,17 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         lease.mark = lease.spare = None
 
     async def get(self) -> T:
-        """The next message; waits for one.  EndOfStream after the writer closed."""
+        """The next message; waits for one.  EndOfStream after the writer closed.
+
+        A cancelled scope makes it raise before it takes anything, message or not.
+        """
         if self._closed:
             self._check()
         if time.monotonic() >= self._next_yield:
             await self._pace()
             self._check()
+        elif (cancelled := pending_checkpoint()) is not None:
+            await cancelled()
         if not self._lock.locked():
             if not self._pending and self._deferred is None:
                 ring = self._ring
@@ -303,9 +344,7 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
                     try:
                         obj = self._loads_plain(view)
                     finally:
-                        ring.tail += 16 + ((len(view) + 15) & -16)
-                        ring.count += 1
-                        ring.publish()
+                        ring.consume_plain(view)
                     self._messages += 1
                     self._bytes += len(view)
                     return obj  # type: ignore[no-any-return]
@@ -367,13 +406,23 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
             ring.publish()
 
     def get_sync(self, timeout: float | None = None) -> T:
-        """Blocking get for code without an event loop; TimeoutError after ``timeout`` s."""
+        """Blocking get for code without an event loop; TimeoutError after ``timeout`` s.
+
+        Refused in a thread that runs an event loop (use ``await get()`` there).  Another
+        thread may close the reader meanwhile: this then raises ClosedResourceError.
+        """
         self._check()
+        self._refuse_in_loop("get_sync", "reader.get()")
         if self._lock.locked():
-            raise anyio.BusyResourceError("an async get is under way on this reader")
+            raise busy("an async get is under way on this reader")
         deadline = deadline_of(timeout)
-        while (obj := self._poll()) is _EMPTY:
-            self._wait_sync(deadline)
+        try:
+            while (obj := self._poll()) is _EMPTY:
+                self._wait_sync(deadline)
+        except ValueError:
+            if self._closed:  # closed by another thread while this one read the ring
+                raise self._closed_error() from None
+            raise
         return obj  # type: ignore[no-any-return]
 
     def statistics(self) -> ReaderStatistics:
@@ -401,7 +450,7 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         """
         try:
             self._sock.send(BYE)
-            if select.select([self._sock], [], [], BYE_TIMEOUT)[0]:
+            if _readable(self._sock.fileno(), BYE_TIMEOUT):
                 self._sock.recv(16)
         except OSError:
             pass

@@ -16,8 +16,8 @@ from typing import Final
 
 from . import _layout as L
 from ._atomics import acquire, fence, release
-from ._errors import CorruptedError
-from ._layout import Layout
+from ._errors import CorruptedError, busy
+from ._layout import Layout, record_size
 from ._notify import Notifier
 from ._segment import Segment
 from ._serialize import Buffer
@@ -35,10 +35,6 @@ _TABLE_ONE = struct.Struct("<3Q")
 def _episode() -> int:
     """A fresh nonzero sleep-episode id, unique across processes and slot reuse."""
     return int.from_bytes(os.urandom(7), "little") | 1
-
-
-def _record_size(payload_len: int) -> int:
-    return L.HEADER_SIZE + L.align(payload_len, L.RECORD_ALIGN)
 
 
 class Frame:
@@ -216,7 +212,7 @@ class RingWriter:
 
     def try_write(self, frame: Frame) -> bool:
         """Write a whole-record message unpublished, if there is room for it now."""
-        size = _record_size(frame.length)
+        size = record_size(frame.length)
         span = self._span(size)
         if not self._room(span, frame.count):
             self.need = (span, frame.count)
@@ -237,7 +233,7 @@ class RingWriter:
     def put_plain(self, main: Buffer, kind: int = L.MSG, count: int = 1) -> bool:
         """Write and publish one record without buffers if there is room now: the hot path."""
         n = len(main)
-        size = 16 + ((n + 15) & -16)
+        size = record_size(n)
         if size > self.max_record:
             return False
         pos = self.pos
@@ -255,7 +251,7 @@ class RingWriter:
         q = self.q
         q[i] = (n << 8) | kind
         q[i + 1] = count if count > 1 else 0
-        start = off + 16
+        start = off + L.HEADER_SIZE
         self.data[start : start + n] = main
         self.pos = pos + size
         self.count += count
@@ -265,7 +261,7 @@ class RingWriter:
     def try_write_fragment(self, frame: Frame, done: int) -> int:
         """Write the next fragment of a message too big for one record; bytes now written."""
         chunk = min(self.layout.fragment_payload, frame.length - done)
-        size = _record_size(chunk)
+        size = record_size(chunk)
         last = done + chunk == frame.length
         span = self._span(size)
         if not self._room(span, 1 if last else 0):
@@ -286,7 +282,7 @@ class RingWriter:
         return done + chunk
 
     def fits_whole(self, frame: Frame) -> bool:
-        return _record_size(frame.length) <= self.max_record
+        return record_size(frame.length) <= self.max_record
 
     def rollback(self, pos: int, count: int) -> None:
         """Forget records written since (pos, count) but not published."""
@@ -357,20 +353,39 @@ class RingWriter:
 
     # -- slots (called by the broker thread) ----------------------------------------------
 
-    def attach(self, index: int) -> None:
-        """Hand slot ``index`` to a new reader; it starts at the head unless never attached."""
+    def attach(self, index: int) -> int:
+        """Hand slot ``index`` to a new reader, which starts at the head unless the slot was
+        never attached; returns the slot's state before."""
         w = self.w
         with self.gate.lock:
-            if self.gate.states[index] in (DETACHED, DEAD):
+            prior = self.gate.states[index]
+            if prior in (DETACHED, DEAD):
                 w[self.r_tail[index]] = w[self.w_head]
                 w[self.r_count[index]] = w[self.w_count]
             w[self.r_sleep[index]] = 0
             self.gate.states[index] = ATTACHED
+        return prior
+
+    def restore(self, index: int, prior: int) -> None:
+        """Undo ``attach`` for a reader that failed before it read anything: the slot goes
+        back to ``prior`` (a PENDING slot keeps every message; its tail never moved)."""
+        with self.gate.lock:
+            self.gate.states[index] = prior
+            self.w[self.r_sleep[index]] = 0
 
     def detach(self, index: int, state: int = DETACHED) -> None:
         """Take slot ``index`` from its reader: DETACHED (not waited for) or DEAD."""
         with self.gate.lock:
             self.gate.states[index] = state
+            self.w[self.r_sleep[index]] = 0
+
+    def drop(self, index: int) -> None:
+        """Stop waiting for slot ``index`` unless a live reader holds it (checked and done
+        under the gate lock, so a reader attaching meanwhile is never dropped)."""
+        with self.gate.lock:
+            if self.gate.states[index] == ATTACHED:
+                raise busy(f"reader slot {index} is held by a live reader: it cannot be dropped")
+            self.gate.states[index] = DETACHED
             self.w[self.r_sleep[index]] = 0
 
     def backlog(self) -> tuple[int, int]:
@@ -417,6 +432,7 @@ class RingReader:
         self.spare: bytearray | None = None  # a finished lease's buffer, reused (no page faults)
         self.partial_kind = 0
         self.partial_len = 0
+        self.partial_total = 0
         self.skipping = False  # joined in the middle of a fragmented message
 
     def available(self) -> bool:
@@ -424,13 +440,16 @@ class RingReader:
 
     def refresh(self) -> bool:
         """Load the published head; True if there is something past this reader's tail."""
-        self.head = self.w[self.w_head]
+        self.head = head = self.w[self.w_head]
         acquire()
-        if self.head < self.tail:
+        if not 0 <= head - self.tail <= self.cap:
+            # The writer never runs more than a ring ahead of a reader it waits for.
+            self.head = self.tail
             raise CorruptedError(
-                f"head {self.head} is behind reader {self.index}'s tail {self.tail}"
+                f"head {head} is {'behind' if head < self.tail else 'more than a ring ahead of'} "
+                f"reader {self.index}'s tail {self.tail}"
             )
-        return self.tail != self.head
+        return self.tail != head
 
     def closed(self) -> bool:
         """True once the writer closed; call only when ``available()`` said False."""
@@ -470,7 +489,7 @@ class RingReader:
                     self.messages = n
                 else:
                     self.messages = 1
-                return self.data[off + L.HEADER_SIZE : end], kind, _record_size(length)
+                return self.data[off + L.HEADER_SIZE : end], kind, record_size(length)
             if base == L.PAD:
                 if end != cap:
                     raise CorruptedError(
@@ -485,6 +504,59 @@ class RingReader:
                 raise CorruptedError(f"unknown record kind {kind} at position {self.tail}")
         return None
 
+    def _fragment(self, off: int, base: int, kind: int, length: int) -> memoryview | None:
+        start = off + L.HEADER_SIZE
+        full = self.layout.fragment_payload
+        # Every fragment but the last is exactly full: a scribbled length shows at once.
+        if length > full or (base != L.LAST and length != full):
+            raise CorruptedError(
+                f"fragment at position {self.tail} (kind {kind}) of {length} bytes: "
+                f"fragments carry {full} bytes, the last one at most that"
+            )
+        if base == L.FIRST:
+            total = self.q[(off >> 3) + 1]
+            if not full < total <= L.MAX_MESSAGE:
+                raise CorruptedError(f"fragmented message at {self.tail} claims {total} bytes")
+            spare, self.spare = self.spare, None
+            if spare is not None and len(spare) == total:
+                self.partial = spare
+            else:
+                # Only as much as the ring holds up front; the rest grows as fragments
+                # really arrive, so a scribbled total costs nothing.
+                self.partial = bytearray(min(total, self.cap))
+            self.partial_total = total
+            self.partial_kind = (kind & L.OOB) | L.MSG
+            self.partial_len = 0
+            self.skipping = False
+        elif self.partial is None:
+            self.skipping = True  # joined mid-message: drop the rest of it
+        partial = self.partial
+        if partial is not None:
+            end = self.partial_len + length
+            if end > self.partial_total:
+                raise CorruptedError(
+                    f"fragments overrun their message of {self.partial_total} bytes"
+                )
+            chunk = self.data[start : start + length]
+            if end <= len(partial):
+                partial[self.partial_len : end] = chunk
+            else:
+                del partial[self.partial_len :]
+                partial += chunk
+            self.partial_len = end
+        self.tail += record_size(length)
+        if base != L.LAST:
+            return None
+        self.count += 1  # a fragmented message is counted when its last fragment is read
+        self.partial, self.skipping = None, False
+        if partial is None:
+            return None
+        if self.partial_len != self.partial_total:
+            raise CorruptedError(
+                f"message of {self.partial_total} bytes ended after {self.partial_len}"
+            )
+        return memoryview(partial)
+
     def take_plain(self) -> memoryview | None:
         """The next record's payload if it is one whole message without buffers: the hot
         path.  None for anything else (or nothing), which ``next()`` then handles."""
@@ -495,42 +567,16 @@ class RingReader:
         word = self.q[off >> 3]
         if word & 0xFF != L.MSG or self.partial is not None or self.skipping:
             return None
-        end = off + 16 + (word >> 8)
+        end = off + L.HEADER_SIZE + (word >> 8)
         if end > self.cap or tail + end - off > self.head:
             return None  # next() reports the corruption
-        return self.data[off + 16 : end]
+        return self.data[off + L.HEADER_SIZE : end]
 
-    def _fragment(self, off: int, base: int, kind: int, length: int) -> memoryview | None:
-        start = off + L.HEADER_SIZE
-        if base == L.FIRST:
-            total = self.q[(off >> 3) + 1]
-            if total > L.MAX_MESSAGE or length > total:
-                raise CorruptedError(f"fragmented message at {self.tail} claims {total} bytes")
-            spare, self.spare = self.spare, None
-            self.partial = spare if spare is not None and len(spare) == total else bytearray(total)
-            self.partial_kind = (kind & L.OOB) | L.MSG
-            self.partial_len = 0
-            self.skipping = False
-        elif self.partial is None:
-            self.skipping = True  # joined mid-message: drop the rest of it
-        if self.partial is not None:
-            end = self.partial_len + length
-            if end > len(self.partial):
-                raise CorruptedError(
-                    f"fragments overrun their message of {len(self.partial)} bytes"
-                )
-            self.partial[self.partial_len : end] = self.data[start : start + length]
-            self.partial_len = end
-        self.tail += _record_size(length)
-        if base != L.LAST:
-            return None
-        self.count += 1  # a fragmented message is counted when its last fragment is read
-        whole, self.partial, self.skipping = self.partial, None, False
-        if whole is None:
-            return None
-        if self.partial_len != len(whole):
-            raise CorruptedError(f"message of {len(whole)} bytes ended after {self.partial_len}")
-        return memoryview(whole)
+    def consume_plain(self, payload: memoryview) -> None:
+        """Step past the record ``take_plain`` returned and publish the new tail."""
+        self.tail += record_size(len(payload))
+        self.count += 1
+        self.publish()
 
     def consume(self, size: int) -> None:
         """Step past the message ``next()`` returned (``size`` is its third item)."""

@@ -7,7 +7,29 @@ import sys
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from ._errors import SerializationError
+
 Buffer = bytes | bytearray | memoryview
+
+
+def unserializable(obj: object, exc: Exception, serializer: str) -> SerializationError:
+    """The error for ``obj`` that ``serializer`` could not serialize, saying what to do."""
+    text = str(exc)
+    hint = ""
+    if serializer == "pickle" and any(
+        mark in text for mark in ("<lambda>", "local object", "attribute lookup")
+    ):
+        hint = (
+            "; pickle sends functions and classes by name, so lambdas and functions defined "
+            "inside other functions need serializer='cloudpickle' (pip install "
+            "'aioshmq[cloudpickle]')"
+        )
+    error = SerializationError(
+        f"cannot serialize {type(obj).__qualname__} object with the {serializer!r} "
+        f"serializer: {text}{hint}"
+    )
+    error.__cause__ = exc
+    return error
 
 
 @runtime_checkable
@@ -60,13 +82,18 @@ class PickleSerializer(Serializer):
 
     def _pickle(self, obj: Any) -> tuple[Buffer, list[memoryview]]:
         found: list[pickle.PickleBuffer] = []
-        main = self._dumps(obj, protocol=5, buffer_callback=found.append)
-        if not found:
-            return main, []
         try:
-            return main, [pb.raw() for pb in found]
-        except BufferError:  # non-contiguous: in-band, which pickle refuses with a clear error
-            return self._dumps(obj, protocol=5), []
+            main = self._dumps(obj, protocol=5, buffer_callback=found.append)
+            if not found:
+                return main, []
+            try:
+                return main, [pb.raw() for pb in found]
+            except BufferError:  # non-contiguous: in-band, which pickle refuses clearly
+                return self._dumps(obj, protocol=5), []
+        except MemoryError:
+            raise
+        except Exception as exc:
+            raise unserializable(obj, exc, self.name) from exc
 
     def _dumps_array(self, arr: Any) -> tuple[Buffer, list[memoryview]]:
         dtype = arr.dtype
@@ -137,7 +164,12 @@ class _Custom(Serializer):
         self._user = user
 
     def dumps(self, obj: Any) -> tuple[Buffer, list[memoryview]]:
-        data = self._user.dumps(obj)
+        try:
+            data = self._user.dumps(obj)
+        except MemoryError:
+            raise
+        except Exception as exc:
+            raise unserializable(obj, exc, type(self._user).__qualname__) from exc
         try:
             return memoryview(data).cast("B"), []
         except TypeError:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import secrets
 import time
-from collections.abc import Generator, Iterable
+import warnings
+import weakref
+from collections.abc import Callable, Generator, Iterable
 from typing import Any, Generic, Literal, NamedTuple, TypeVar
 
 import anyio
@@ -13,12 +15,13 @@ from anyio.abc import ObjectSendStream
 
 from . import _layout as L
 from ._broker import Broker, check_name
-from ._end import End, deadline_of
-from ._errors import Full, PeerDied
+from ._cancel import pending_checkpoint
+from ._end import End, deadline_of, in_event_loop
+from ._errors import Full, PeerDied, UndeliveredWarning, busy
 from ._handle import Handle
 from ._layout import Layout
 from ._notify import Notifier, NotifierKind, default_kind
-from ._ring import ATTACHED, DEAD, Frame, Gate, RingWriter
+from ._ring import ATTACHED, DEAD, PENDING, Frame, Gate, RingWriter
 from ._segment import Segment
 from ._serialize import SerializerSpec, resolve
 
@@ -58,11 +61,14 @@ def create(
     notifier: NotifierKind | None = None,
     name: str | None = None,
     on_reader_death: OnReaderDeath = "raise",
+    linger: float = 0.0,
 ) -> Writer[Any]:
     """Create a ring and return its writer, which owns it.
 
     ``capacity`` (bytes, rounded up to a multiple of 64) and ``max_messages`` both bound what
     the ring holds for its slowest reader.  ``readers`` is the number of reader slots.
+    ``linger`` is how long (seconds) closing the writer waits for readers to attach to
+    slots that never had one while messages wait for them (see ``Writer.close``).
     """
     capacity = _positive_int("capacity", capacity, L.MIN_CAPACITY)
     if capacity > L.MAX_CAPACITY:
@@ -73,13 +79,33 @@ def create(
         raise ValueError(f"readers={readers} is more than the 4096 slots a ring can have")
     if on_reader_death not in ("raise", "detach"):
         raise ValueError(f"on_reader_death must be 'raise' or 'detach', not {on_reader_death!r}")
+    linger = _linger(linger)
     ser = resolve(serializer)
     kind = default_kind() if notifier is None else notifier
     if kind not in ("eventfd", "pipe"):
         raise ValueError(f"notifier must be 'eventfd' or 'pipe', not {notifier!r}")
     name = check_name(name) if name is not None else f"{os.getpid()}-{secrets.token_hex(8)}"
     layout = Layout(L.align(capacity, 64), max_messages, readers)
-    return Writer(layout, ser, kind, name, on_reader_death)
+    return Writer(layout, ser, kind, name, on_reader_death, linger)
+
+
+def _weakly(method: Callable[[], None]) -> Callable[[], None]:
+    """``method`` called through a weak reference: the broker thread must not keep its
+    writer alive (an unclosed writer is collected, warns and closes itself)."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> None:
+        bound = ref()
+        if bound is not None:
+            bound()
+
+    return call
+
+
+def _linger(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise ValueError(f"linger must be a number of seconds >= 0, not {value!r}")
+    return float(value)
 
 
 class Writer(End, ObjectSendStream[T], Generic[T]):
@@ -94,9 +120,13 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         kind: NotifierKind,
         name: str,
         on_reader_death: OnReaderDeath,
+        linger: float = 0.0,
     ) -> None:
         super().__init__()
         self._closed = True  # until everything below exists
+        self._halt = True  # closed, or its broker stopped: the hot paths check this alone
+        self._linger = linger
+        self._quiet = False
         self._layout = layout
         self._ser = serializer
         self._name = name
@@ -122,11 +152,27 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
                 serializer.name,
                 self._wake.signal,
                 detach_dead=on_reader_death == "detach",
+                on_failure=_weakly(self._broker_failed),
             )
         except BaseException:
             self._free()
             raise
-        self._closed = False
+        self._closed = self._halt = False
+
+    def _broker_failed(self) -> None:
+        """Called by the broker thread if it ever stops for something it could not survive."""
+        self._halt = True
+        self._wake.signal()
+
+    def _check(self) -> None:
+        super()._check()
+        failure = self._broker.failure
+        if failure is not None:
+            raise anyio.BrokenResourceError(
+                f"the broker thread of ring {self._name!r} stopped ({failure!r}): readers can "
+                "no longer attach, and their deaths go unseen, so this writer cannot go on; "
+                "close it"
+            ) from failure
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
@@ -199,11 +245,14 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         for frame in frames:
             if not self._ring.fits_whole(frame):
                 return False
-            total += L.HEADER_SIZE + L.align(frame.length, L.RECORD_ALIGN)
+            total += L.record_size(frame.length)
         return total <= layout.capacity // 2
 
     def _check_readers(self) -> None:
-        """Raise PeerDied if the writer would wait on a reader whose process died."""
+        """Raise PeerDied if the writer would wait on a reader whose process died (or the
+        broker's error if it stopped: then nobody would notice a death or an attach)."""
+        if self._broker.failure is not None:
+            self._check()
         for i, state in enumerate(self._gate.states):
             if state == DEAD:
                 pid = self._broker.dead_pid(i)
@@ -217,28 +266,38 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
     async def _wait_room(self) -> None:
         self._check_readers()
         need, messages = self._ring.need
-        self._drain()  # before announcing the sleep: no wake-up left over from before
-        if self._ring.prepare_sleep(need, messages):
-            try:
-                await self._sleep()
-            finally:
-                if not self._closed:  # closed meanwhile: the ring is gone
-                    self._ring.end_sleep()
+        token = self._hold(True)
+        try:
+            self._drain()  # before announcing the sleep: no wake-up left over from before
+            if self._ring.prepare_sleep(need, messages):
+                try:
+                    await self._sleep()
+                finally:
+                    if not self._closed:  # closed meanwhile: never touch the ring again
+                        self._ring.end_sleep()
+        finally:
+            self._unhold(token)
         self._check()
 
     def _wait_room_sync(self, deadline: float | None) -> None:
         self._check_readers()
         need, messages = self._ring.need
-        self._wake.drain()
-        if self._ring.prepare_sleep(need, messages):
-            try:
-                self._sleep_sync(deadline)
-            finally:
-                self._ring.end_sleep()
+        token = self._hold(False)
+        try:
+            self._wake.drain()
+            if self._ring.prepare_sleep(need, messages):
+                try:
+                    self._sleep_sync(deadline)
+                finally:
+                    self._ring.end_sleep()
+        finally:
+            self._unhold(token)
+        self._check()
 
     async def _run(self, frames: list[Frame]) -> None:
         """Write ``frames`` in turn with the other waiting puts, waiting for room."""
         async with self._lock:
+            self._check()
             steps = self._steps(frames, self._atomic(frames))
             try:
                 for _ in steps:
@@ -247,13 +306,18 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
                 steps.close()
 
     async def put(self, obj: T) -> None:
-        """Send ``obj`` to every reader; waits while the ring is full for the slowest one."""
-        if self._closed:
+        """Send ``obj`` to every reader; waits while the ring is full for the slowest one.
+
+        A cancelled scope makes it raise before it writes anything, room or not.
+        """
+        if self._halt:
             self._check()
         main, buffers = self._ser.dumps(obj)
         if time.monotonic() >= self._next_yield:
             await self._pace()
             self._check()
+        elif (cancelled := pending_checkpoint()) is not None:
+            await cancelled()
         ring = self._ring
         if not buffers:
             if not self._lock.locked() and ring.put_plain(main):
@@ -285,8 +349,11 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         """
         self._check()
         frames = self._batch(list(objs))
-        await self._pace()
-        self._check()
+        if time.monotonic() >= self._next_yield:
+            await self._pace()
+            self._check()
+        elif (cancelled := pending_checkpoint()) is not None:
+            await cancelled()
         if len(frames) == 1 and not frames[0].kind & L.OOB:  # one record, no buffers
             frame = frames[0]
             if not self._lock.locked() and self._ring.put_plain(
@@ -302,11 +369,22 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         """One frame holding the whole list where the serializer and the bounds allow."""
         dumps_many = getattr(self._ser, "dumps_many", None)
         if dumps_many is not None and 2 <= len(objs) <= self._layout.max_messages:
-            main, buffers = dumps_many(objs)
-            frame = Frame(main, buffers, count=len(objs))
-            if self._atomic([frame]):
-                return [frame]
-        return [self._frame(obj) for obj in objs]
+            try:
+                main, buffers = dumps_many(objs)
+            except TypeError:  # one of them does not serialize: the loop below says which
+                pass
+            else:
+                frame = Frame(main, buffers, count=len(objs))
+                if self._atomic([frame]):
+                    return [frame]
+        frames = []
+        for i, obj in enumerate(objs):
+            try:
+                frames.append(self._frame(obj))
+            except Exception as exc:
+                exc.add_note(f"(object {i} of the {len(objs)} given to put_many)")
+                raise
+        return frames
 
     def put_nowait(self, obj: T) -> None:
         """Send ``obj`` now, or raise Full (nothing written) if the ring has no room."""
@@ -321,12 +399,15 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
             raise Full(f"ring {self._name!r} has no room for a message of {frame.length} bytes")
 
     def put_sync(self, obj: T, timeout: float | None = None) -> None:
-        """Blocking put for code without an event loop; TimeoutError after ``timeout`` s."""
+        """Blocking put for code without an event loop; TimeoutError after ``timeout`` s.
+
+        Refused in a thread that runs an event loop (use ``await put()`` there).  Another
+        thread may close the writer meanwhile: this then raises ClosedResourceError.
+        """
         self._check()
+        self._refuse_in_loop("put_sync", "writer.put(obj)")
         if self._lock.locked():
-            raise anyio.BusyResourceError(
-                "an async put or wait_readers is under way on this writer"
-            )
+            raise busy("an async put or wait_readers is under way on this writer")
         frame = self._frame(obj)
         deadline = deadline_of(timeout)
         steps = self._steps([frame], self._atomic([frame]))
@@ -341,30 +422,43 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
     async def wait_readers(self) -> None:
         """Return once every reader slot is attached."""
         self._check()
+        if (cancelled := pending_checkpoint()) is not None:
+            await cancelled()
         async with self._lock:
             while True:
                 self._drain()
                 if self._all_attached():
                     return
-                await self._sleep()
+                token = self._hold(True)
+                try:
+                    await self._sleep()
+                finally:
+                    self._unhold(token)
                 self._check()
 
     def wait_readers_sync(self, timeout: float | None = None) -> None:
+        """Blocking ``wait_readers``; TimeoutError after ``timeout`` s."""
         self._check()
+        self._refuse_in_loop("wait_readers_sync", "writer.wait_readers()")
         deadline = deadline_of(timeout)
         while True:
             self._wake.drain()
             if self._all_attached():
                 return
-            self._sleep_sync(deadline)
+            token = self._hold(False)
+            try:
+                self._sleep_sync(deadline)
+            finally:
+                self._unhold(token)
+            self._check()
 
     def drop_reader(self, index: int) -> None:
         """Stop keeping messages for slot ``index`` whose reader died or never came.
 
         After ``PeerDied`` (with ``on_reader_death="raise"``) this lets the writer go on
         without that reader.  A slot held by a live reader cannot be dropped: its reader
-        would be overrun.  The slot can be attached again later; its reader starts at the
-        head.
+        would be overrun.  The slot can be attached again later; its reader starts with
+        the next message put after it attached.
         """
         self._check()
         if isinstance(index, bool) or not isinstance(index, int):
@@ -372,9 +466,7 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         if not 0 <= index < self._layout.readers:
             last = self._layout.readers - 1
             raise ValueError(f"index={index} is out of range: this ring has readers 0..{last}")
-        if self._gate.states[index] == ATTACHED:
-            raise anyio.BusyResourceError(f"reader slot {index} is held by a live reader")
-        self._ring.detach(index)
+        self._ring.drop(index)
         self._wake.signal()
 
     def _all_attached(self) -> bool:
@@ -399,6 +491,90 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         )
 
     # -- closing ---------------------------------------------------------------------------
+
+    def _undelivered(self) -> tuple[list[int], int]:
+        """Slots never attached, and how many published messages wait for them."""
+        slots = [i for i, state in enumerate(self._gate.states) if state == PENDING]
+        return slots, (self._ring.head_count if slots else 0)
+
+    def close(self, linger: float | None = None) -> None:
+        """Close the writer: readers get every message published, then the end of stream.
+
+        Messages kept for slots that no reader ever attached are lost when the writer
+        closes (a reader that attached keeps the ring's memory and gets them all).  With
+        ``linger`` (default: ``create(linger=...)``, 0) it first waits up to that many
+        seconds for such slots to be attached; any still unattached then get an
+        ``UndeliveredWarning``.  A sync close never lingers in a thread that runs an event
+        loop: use ``await writer.aclose()`` there.
+        """
+        if self._closed:
+            return
+        if os.getpid() == self._pid and not self._forked:
+            wait = self._linger if linger is None else _linger(linger)
+            if wait and not in_event_loop():
+                try:
+                    self._linger_sync(wait)
+                except Exception:  # anything amiss (a closed end, a dead reader): close now
+                    pass
+            if not self._quiet:
+                self._warn_undelivered()
+        self._halt = True
+        super().close()
+
+    async def aclose(self, linger: float | None = None) -> None:
+        """``close`` that lingers without blocking the event loop."""
+        try:
+            if not self._closed and os.getpid() == self._pid and not self._forked:
+                wait = self._linger if linger is None else _linger(linger)
+                if wait:
+                    with anyio.move_on_after(wait):
+                        try:
+                            await self._linger_async()
+                        except Exception:  # a closed end, a dead reader: close now
+                            pass
+        finally:
+            self.close(linger=0)
+        await anyio.lowlevel.checkpoint()
+
+    def _linger_sync(self, seconds: float) -> None:
+        deadline = deadline_of(seconds)
+        while self._undelivered()[1]:
+            self._wake.drain()
+            if not self._undelivered()[1]:
+                return
+            token = self._hold(False)
+            try:
+                self._sleep_sync(deadline)
+            except TimeoutError:
+                return
+            finally:
+                self._unhold(token)
+
+    async def _linger_async(self) -> None:
+        while self._undelivered()[1]:
+            self._drain()
+            if not self._undelivered()[1]:
+                return
+            token = self._hold(True)
+            try:
+                await self._sleep()
+            finally:
+                self._unhold(token)
+
+    def _warn_undelivered(self) -> None:
+        slots, messages = self._undelivered()
+        if messages:
+            warnings.warn(
+                f"writer of ring {self._name!r} closed with {messages} messages for reader "
+                f"slots {slots} that no reader ever attached to: they are lost; call "
+                "wait_readers() before closing, or close with linger=seconds",
+                UndeliveredWarning,
+                stacklevel=3,
+            )
+
+    def _close_unwaited(self) -> None:
+        self._quiet = True  # from the GC, which already warns ResourceWarning
+        self.close(linger=0)
 
     def _release(self, *, clean: bool) -> None:
         if clean:

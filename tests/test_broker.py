@@ -261,7 +261,7 @@ async def test_dead_reader_fails_a_waiting_put(
         # Nothing was lost: the four messages are still there; the next put fails the same way.
         assert w.statistics().messages_in_ring == 4
         with pytest.raises(aioshmq.PeerDied):
-            w.put_sync(5, timeout=5)
+            await anyio.to_thread.run_sync(lambda: w.put_sync(5, timeout=5))
         with pytest.raises(aioshmq.PeerDied):
             w.put_nowait(5)
         # The writer can give up on that reader and go on.
@@ -357,7 +357,7 @@ async def test_dead_writer(anyio_backend: object, children: Children) -> None:
         with pytest.raises(aioshmq.PeerDied):
             r.get_nowait()
         with pytest.raises(aioshmq.PeerDied):
-            r.get_sync(timeout=5)
+            await anyio.to_thread.run_sync(lambda: r.get_sync(timeout=5))
     assert times["error"] - times["died"] < 1.0
     assert got == list(range(10))
     (exc,) = caught

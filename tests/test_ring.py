@@ -241,7 +241,7 @@ async def test_sync_calls_refuse_to_interleave_with_a_waiting_async_call() -> No
             tg.start_soon(w.put_many, [1, 2])
             await anyio.wait_all_tasks_blocked()
             with pytest.raises(anyio.BusyResourceError):
-                w.put_sync(99, timeout=1)
+                await anyio.to_thread.run_sync(lambda: w.put_sync(99, timeout=1))
             assert r.get_nowait() == 0
             with anyio.fail_after(5):
                 assert [await r.get(), await r.get()] == [1, 2]
@@ -249,7 +249,7 @@ async def test_sync_calls_refuse_to_interleave_with_a_waiting_async_call() -> No
             tg.start_soon(r.get)
             await anyio.wait_all_tasks_blocked()
             with pytest.raises(anyio.BusyResourceError):
-                r.get_sync(timeout=1)
+                await anyio.to_thread.run_sync(lambda: r.get_sync(timeout=1))
             await w.put(3)
 
 

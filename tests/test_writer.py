@@ -136,7 +136,7 @@ async def test_unserializable_object_writes_nothing() -> None:
         with pytest.raises(TypeError):
             w.put_nowait(threading.Lock())
         with pytest.raises(TypeError):
-            w.put_sync(threading.Lock())
+            await anyio.to_thread.run_sync(lambda: w.put_sync(threading.Lock()))
         assert w.statistics().messages_put == 0
         await w.put("next")
         assert r.get_nowait() == "next"
