@@ -75,11 +75,12 @@ def fds_for(kind: NotifierKind) -> int:
 class _Conn:
     """One reader connection: granted a slot on request, holding it once it confirms."""
 
-    __slots__ = ("attached", "bye", "index", "pid", "pidfd", "prior", "sock")
+    __slots__ = ("attached", "bye", "index", "pid", "pidfd", "prior", "sock", "uid")
 
-    def __init__(self, sock: socket.socket, pid: int) -> None:
+    def __init__(self, sock: socket.socket, pid: int, uid: int) -> None:
         self.sock = sock
         self.pid = pid
+        self.uid = uid
         self.index: int | None = None  # the slot granted (reserved, then held)
         self.attached = False
         self.prior: tuple[int, int] = (0, 0)  # the slot's state and dead pid before the attach
@@ -216,16 +217,7 @@ class Broker:
         try:
             pid, uid = peer_credentials(sock)
             sock.setblocking(False)
-            conn = _Conn(sock, pid)
-            if uid not in (self._uid, 0):
-                self._send_refusal(
-                    conn,
-                    "permission",
-                    f"user uid {uid} may not attach to ring {self.name!r}: it belongs to uid "
-                    f"{self._uid}, and only the same user or root may attach",
-                )
-                sock.close()
-                return
+            conn = _Conn(sock, pid, uid)
             sel.register(sock, selectors.EVENT_READ, conn)
         except Exception:
             sock.close()
@@ -263,8 +255,18 @@ class Broker:
     def _grant(self, sel: selectors.BaseSelector, conn: _Conn, data: bytes) -> None:
         """Phase one: reserve the slot and send the fds; nothing about the slot changes yet."""
         try:
+            if conn.uid not in (self._uid, 0):
+                # Refused once its request is read: closing with it unread would reset the
+                # connection, and the reader would never see why.
+                raise _Refused(
+                    "permission",
+                    f"user uid {conn.uid} may not attach to ring {self.name!r}: it belongs to "
+                    f"uid {self._uid}, and only the same user or root may attach",
+                )
             index = _parse_request(data, self.ring.layout.readers)
             holder = next((c for c in self._conns if c.index == index), None)
+            if holder is not None and self._settle_queued(sel, holder):
+                holder = None
             if holder is not None:
                 raise _Refused(
                     "busy",
@@ -284,6 +286,25 @@ class Broker:
             socket.send_fds(conn.sock, [json.dumps(reply).encode()], fds)
         except OSError:
             self._drop(sel, conn)  # the reader went away already
+
+    def _settle_queued(self, sel: selectors.BaseSelector, holder: _Conn) -> bool:
+        """Handle what ``holder`` has already sent (a bye, an abort, its end-of-file) before
+        calling its slot busy: a reader that retries at once after a failed connect, or
+        after closing, must not find its own departure still unread.  True if it left."""
+        for _ in range(4):  # at most a few packets: a bye or an abort comes before the end
+            try:
+                peek = holder.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return False
+            except OSError:
+                peek = b""
+            if not peek:
+                self._gone(sel, holder)
+            else:
+                self._readable(sel, holder)
+            if holder not in self._conns:
+                return True
+        return False
 
     def _attach(self, sel: selectors.BaseSelector, conn: _Conn) -> None:
         """Phase two: the reader has mapped the ring; the slot is now its own."""
@@ -484,7 +505,10 @@ def request(
                 f"pass connect(..., trusted_uids=[{uid}]) to accept that user"
             )
         try:
-            sock.send(json.dumps({"reader": index, "pid": os.getpid()}).encode())
+            try:
+                sock.send(json.dumps({"reader": index, "pid": os.getpid()}).encode())
+            except (ConnectionResetError, BrokenPipeError):
+                pass  # the writer closed: the next read says so
             msg, fds, flags, _addr = socket.recv_fds(sock, 4096, 4, socket.MSG_CMSG_CLOEXEC)
             for fd in fds:  # some kernels ignore MSG_CMSG_CLOEXEC: make sure
                 os.set_inheritable(fd, False)

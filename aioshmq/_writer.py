@@ -509,6 +509,7 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         """
         if self._closed:
             return
+        lost: tuple[list[int], int] = ([], 0)
         if os.getpid() == self._pid and not self._forked:
             wait = self._linger if linger is None else _linger(linger)
             if wait and not in_event_loop():
@@ -517,9 +518,11 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
                 except Exception:  # anything amiss (a closed end, a dead reader): close now
                     pass
             if not self._quiet:
-                self._warn_undelivered()
+                lost = self._undelivered()
         self._halt = True
         super().close()
+        if lost[1]:  # after closing: a warning turned into an error must not keep it open
+            self._warn_undelivered(*lost)
 
     async def aclose(self, linger: float | None = None) -> None:
         """``close`` that lingers without blocking the event loop."""
@@ -561,8 +564,7 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
             finally:
                 self._unhold(token)
 
-    def _warn_undelivered(self) -> None:
-        slots, messages = self._undelivered()
+    def _warn_undelivered(self, slots: list[int], messages: int) -> None:
         if messages:
             warnings.warn(
                 f"writer of ring {self._name!r} closed with {messages} messages for reader "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import textwrap
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -362,3 +363,361 @@ async def test_dead_writer(anyio_backend: object, children: Children) -> None:
     assert got == list(range(10))
     (exc,) = caught
     assert exc.role == "writer" and exc.pid == proc.pid
+
+
+# -- faults: who serves the ring, hostile peers, fd shortages, failed connects --------------
+
+NOBODY = 65534  # the uid of the stranger in these tests
+
+
+def _as_stranger(name: str, ready: Any, done: Any) -> None:
+    """As another user: serve a ring named ``name`` whose first message, once unpickled,
+    runs ``os.getuid`` in the reading process."""
+    os.setgid(NOBODY)
+    os.setuid(NOBODY)
+
+    class Payload:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return os.getuid, ()
+
+    with aioshmq.create(capacity=1 << 16, name=name) as w:
+        w.put_nowait(Payload())
+        ready.set()
+        done.wait(60)
+
+
+needs_root = pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another user")
+
+
+@needs_root
+def test_reader_refuses_a_ring_served_by_another_user(children: Children) -> None:
+    import multiprocessing
+    import secrets
+
+    name = f"stranger-{secrets.token_hex(4)}"
+    ctx = multiprocessing.get_context("spawn")
+    ready, done = ctx.Event(), ctx.Event()
+    children.start("spawn", _as_stranger, name, ready, done)
+    assert ready.wait(60)
+    try:
+        with pytest.raises(PermissionError, match=rf"uid {NOBODY}.*trusted_uids=\[{NOBODY}\]"):
+            aioshmq.connect(name)
+        # Trusted on purpose, the stranger's pickle runs here: the reason for the check.
+        with aioshmq.connect(name, trusted_uids=[NOBODY]) as r:
+            assert r.get_nowait() == os.getuid() == 0
+    finally:
+        done.set()
+    assert children.join() == [0]
+
+
+def _connect_as_stranger(name: str, result: Any) -> None:
+    os.setgid(NOBODY)
+    os.setuid(NOBODY)
+    try:
+        aioshmq.connect(name, trusted_uids=[0], timeout=30)
+    except PermissionError as exc:
+        result.put(("PermissionError", str(exc)))
+    except Exception as exc:
+        result.put((type(exc).__name__, str(exc)))
+    else:
+        result.put(("connected", ""))
+
+
+@needs_root
+def test_another_user_is_told_it_may_not_attach(children: Children) -> None:
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    result = ctx.Queue()
+    with aioshmq.create(capacity=1 << 16) as w:
+        children.start("spawn", _connect_as_stranger, w.name, result)
+        kind, text = result.get(timeout=60)
+        assert children.join() == [0]
+        assert kind == "PermissionError", (kind, text)
+        assert f"uid {NOBODY} may not attach" in text and "closed" not in text
+        with aioshmq.connect(w.name) as r:  # the writer is alive and serves its own user
+            w.put_nowait(1)
+            assert r.get_nowait() == 1
+    result.close()
+    result.join_thread()
+
+
+def _raw_request(name: str, packet: bytes) -> bytes:
+    import socket
+
+    from aioshmq._broker import PREFIX
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+        sock.settimeout(10)
+        sock.connect(PREFIX + name)
+        sock.send(packet)
+        return sock.recv(4096)
+
+
+HOSTILE = [
+    b"[" * 4000,  # nesting: a RecursionError in the JSON parser
+    b"{" * 400 + b"}" * 400,
+    b'{"reader": 0, "pad": "' + b"x" * 8000 + b'"}',  # longer than any request
+    b"\xff\xfe not json",
+    b"[0]",
+    b'{"reader": true}',
+    b'{"reader": 1e308}',
+    b'{"reader": 99}',
+]
+
+
+@pytest.mark.parametrize("packet", HOSTILE, ids=lambda p: repr(p[:12]))
+def test_broker_survives_any_request(packet: bytes) -> None:
+    import json
+
+    with aioshmq.create(capacity=1 << 16, max_messages=2) as w:
+        reply = json.loads(_raw_request(w.name, packet))
+        assert reply["ok"] is False and reply["error"] in ("request", "range")
+        # Still served: a reader attaches, waits are woken, and a departure is seen.
+        with aioshmq.connect(w.name, timeout=10) as r:
+            w.wait_readers_sync(timeout=10)
+            w.put_sync(1, timeout=5)
+            assert r.get_sync(timeout=5) == 1
+        assert w.statistics().readers_attached == 0
+
+
+def _fill_fds(spare: int) -> list[int]:
+    """Open fds until only ``spare`` remain under the soft limit; the caller closes them."""
+    fillers = [os.open("/dev/null", os.O_RDONLY)]
+    try:
+        while True:
+            fillers.append(os.dup(fillers[0]))
+    except OSError:
+        pass
+    for _ in range(spare):
+        os.close(fillers.pop())
+    return fillers
+
+
+@pytest.fixture
+def fd_limit() -> Iterator[None]:
+    """A soft fd limit low enough to fill quickly, restored afterwards."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    low = min(soft, len(os.listdir("/proc/self/fd")) + 200)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def _connect_when_told(name: str, go: Any, result: Any) -> None:
+    go.wait(60)
+    try:
+        with aioshmq.connect(name, timeout=30) as r:
+            result.put(("ok", r.get_sync(timeout=30)))
+    except Exception as exc:
+        result.put((type(exc).__name__, str(exc)))
+
+
+def test_broker_retries_accept_when_out_of_fds(children: Children, fd_limit: None) -> None:
+    import multiprocessing
+    import time
+
+    ctx = multiprocessing.get_context("spawn")
+    go, result = ctx.Event(), ctx.Queue()
+    with aioshmq.create(capacity=1 << 16) as w:
+        children.start("spawn", _connect_when_told, w.name, go, result)
+        w.put_nowait("hello")
+        fillers = _fill_fds(0)
+        try:
+            go.set()  # the child connects now; accepting it needs an fd there is not
+            deadline = time.monotonic() + 60
+            # Until the broker has met the shortage (or, as it used to, died of it).
+            while not getattr(w._broker, "accept_errors", 0) and w._broker._thread.is_alive():
+                assert time.monotonic() < deadline, "the broker never tried to accept"
+                time.sleep(0.001)
+        finally:
+            for fd in fillers:
+                os.close(fd)
+        assert result.get(timeout=60) == ("ok", "hello")
+        assert children.join() == [0]
+    result.close()
+    result.join_thread()
+
+
+def test_failed_create_leaves_nothing_at_any_fd_budget(fd_limit: None) -> None:
+    import gc
+    import secrets
+
+    name = f"budget-{secrets.token_hex(4)}"
+    before = len(os.listdir("/proc/self/fd"))
+    outcomes = set()
+    for spare in range(0, 24):
+        fillers = _fill_fds(spare)
+        try:
+            w = aioshmq.create(capacity=1 << 16, readers=1, name=name)
+        except (OSError, MemoryError) as exc:
+            outcomes.add(type(exc).__name__)
+            for fd in fillers:  # the exception and its traceback are still alive here
+                os.close(fd)
+            fillers = []
+            assert len(os.listdir("/proc/self/fd")) == before, f"fds left at {spare} spare"
+            with aioshmq.create(capacity=1 << 16, name=name):  # the name is free
+                pass
+            continue
+        finally:
+            for fd in fillers:
+                os.close(fd)
+        outcomes.add("created")
+        with w:  # fully working: its broker serves readers
+            with aioshmq.connect(name, timeout=10) as r:
+                w.put_nowait(spare)
+                assert r.get_nowait() == spare
+        gc.collect()
+        assert len(os.listdir("/proc/self/fd")) == before
+    assert outcomes >= {"OSError", "created"}, outcomes
+
+
+def test_connect_short_of_fds_leaves_the_slot_as_it_was(fd_limit: None) -> None:
+    with aioshmq.create(capacity=1 << 16, readers=1) as w:
+        for i in range(10):
+            w.put_nowait(i)
+        fillers = _fill_fds(2)  # room for the socket and for part of what the writer sends
+        try:
+            with pytest.raises(OSError, match=r"(?i)too many open files"):
+                aioshmq.connect(w.name, timeout=10)
+        finally:
+            for fd in fillers:
+                os.close(fd)
+        assert w.statistics().messages_in_ring == 10  # still kept for the slot
+        with aioshmq.connect(w.name, timeout=10) as r:  # no PeerDied, nothing skipped
+            w.wait_readers_sync(timeout=10)
+            assert [r.get_nowait() for _ in range(10)] == list(range(10))
+
+
+def _serve_then_stop(name: str, ready: Any, result: Any) -> None:
+    with aioshmq.create(capacity=1 << 16, readers=1, name=name) as w:
+        for i in range(10):
+            w.put_sync(i)
+        ready.set()  # the parent stops this process now, and goes on with it later
+        try:
+            w.wait_readers_sync(timeout=60)
+            for i in range(10, 20):
+                w.put_sync(i, timeout=60)
+        except Exception as exc:
+            result.put(f"{type(exc).__name__}: {exc}")
+            return
+        result.put("ok")
+
+
+def test_connect_that_times_out_leaves_the_slot_as_it_was(children: Children) -> None:
+    import multiprocessing
+    import secrets
+    import signal
+
+    name = f"stopped-{secrets.token_hex(4)}"
+    ctx = multiprocessing.get_context("spawn")
+    ready, result = ctx.Event(), ctx.Queue()
+    proc = children.start("spawn", _serve_then_stop, name, ready, result)
+    assert ready.wait(60) and proc.pid is not None
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(TimeoutError):
+            aioshmq.connect(name, timeout=0.5)
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    with aioshmq.connect(name, timeout=30) as r:
+        assert [r.get_sync(timeout=30) for _ in range(20)] == list(range(20))
+    assert result.get(timeout=60) == "ok"
+    assert children.join() == [0]
+    result.close()
+    result.join_thread()
+
+
+def test_connect_that_fails_after_the_slot_changed_hands_gives_it_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import threading
+
+    from aioshmq import _broker
+
+    release = threading.Event()
+    attach = _broker.Broker._attach
+
+    def slow_attach(self: _broker.Broker, *args: Any) -> None:
+        release.wait(30)  # the writer is busy: the reader gives up meanwhile
+        attach(self, *args)
+
+    monkeypatch.setattr(_broker.Broker, "_attach", slow_attach)
+    with aioshmq.create(capacity=1 << 16, readers=1) as w:
+        for i in range(10):
+            w.put_nowait(i)
+        with pytest.raises(TimeoutError):
+            aioshmq.connect(w.name, timeout=0.5)
+        release.set()
+        monkeypatch.undo()
+        with aioshmq.connect(w.name, timeout=30) as r:
+            w.wait_readers_sync(timeout=10)  # no PeerDied for the reader that gave up
+            assert [r.get_nowait() for _ in range(10)] == list(range(10))
+
+
+def test_drop_reader_never_drops_a_reader_attaching_meanwhile() -> None:
+    import threading
+
+    with aioshmq.create(capacity=1 << 16, readers=2) as w:
+        w.drop_reader(0)  # not part of this test
+        readers: list[aioshmq.Reader[Any]] = []
+        main = threading.get_ident()
+
+        class States(list[int]):
+            armed = True
+
+            def __getitem__(self, index: Any) -> Any:
+                state = super().__getitem__(index)
+                if self.armed and threading.get_ident() == main:
+                    # drop_reader has just seen slot 1 free: a reader attaches right now.
+                    self.armed = False
+                    t = threading.Thread(
+                        target=lambda: readers.append(aioshmq.connect(w.name, 1))
+                    )
+                    t.start()
+                    t.join(1)  # a correct drop holds the slot: the attach waits for it
+                    States.attacher = t  # type: ignore[attr-defined]
+                return state
+
+        w._gate.states = States(w._gate.states)
+        w.drop_reader(1)
+        States.attacher.join(30)  # type: ignore[attr-defined]
+        (r,) = readers
+        with r:
+            assert w.statistics().readers_attached == 1  # the reader that came was kept
+            w.put_nowait("after")
+            assert r.get_nowait() == "after"
+
+
+def test_a_stopped_broker_makes_the_writer_raise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever stops the broker thread, the writer says so instead of waiting on it."""
+    import selectors
+    import threading
+
+    from aioshmq import _broker
+
+    stopped = threading.Event()
+
+    class Breaking(selectors.DefaultSelector):  # type: ignore[misc,valid-type]
+        armed = False
+
+        def select(self, timeout: float | None = None) -> Any:
+            if Breaking.armed:
+                stopped.set()
+                raise RuntimeError("boom")
+            return super().select(timeout)
+
+    monkeypatch.setattr(_broker.selectors, "DefaultSelector", Breaking)
+    with aioshmq.create(capacity=1 << 16, readers=1, max_messages=1) as w:
+        Breaking.armed = True
+        with pytest.raises(TimeoutError):  # wakes the broker: it meets the broken select
+            aioshmq.connect(w.name, timeout=0.5)
+        assert stopped.wait(10)
+        w._broker._thread.join(10)
+        for call in (lambda: w.put_nowait(1), lambda: w.wait_readers_sync(timeout=5)):
+            with pytest.raises(anyio.BrokenResourceError, match=r"broker thread .* stopped"):
+                call()
