@@ -291,3 +291,35 @@ async def test_no_spin_sleeps_at_once() -> None:
         assert w.statistics().wakeups_sent == 1
         with pytest.raises(ValueError, match="spin"):
             aioshmq.connect(w.name, spin=-1)
+
+
+def test_fd_numbers_above_1023() -> None:
+    """A busy process holds more than 1024 fds: nothing may use select() on ours."""
+    import os
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1500:
+        pytest.skip(f"the hard fd limit ({hard}) is too low to reach fd numbers above 1023")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1500), hard))
+    probe = os.open("/dev/null", os.O_RDONLY)
+    fillers = [probe]
+    try:
+        while fillers[-1] < 1100:
+            fillers.append(os.dup(probe))
+        before = len(os.listdir("/proc/self/fd"))
+        for _ in range(5):
+            w = aioshmq.create(capacity=1 << 16)
+            r = aioshmq.connect(w.name)
+            assert r._wait_fd > 1023 and r._sock.fileno() > 1023
+            with pytest.raises(aioshmq.Empty):
+                r.get_nowait()  # looks at the writer's liveness: the socket and the pidfd
+            w.put_nowait("x")
+            assert r.get_sync(timeout=5) == "x"
+            r.close()  # says goodbye and waits for the answer
+            w.close()
+        assert len(os.listdir("/proc/self/fd")) == before
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -324,3 +324,45 @@ def test_scribbled_header_refuses_attach() -> None:
         w._seg.buf[0:8] = L.MAGIC.to_bytes(8, "little")
         with aioshmq.connect(w.name):
             pass
+
+
+def test_scribbled_head_far_ahead_is_refused_at_once() -> None:
+    """A head scribbled far ahead must not make the reader walk stale records for ever."""
+    with aioshmq.create(capacity=4096, serializer="raw") as w, aioshmq.connect(w.name) as r:
+        for i in range(40):  # a few laps: the data area is full of old, valid records
+            w.put_nowait(bytes([i]) * 200)
+            assert r.get_nowait() == bytes([i]) * 200
+        words = w._seg.words
+        head = w._layout.writer_word(L.W_HEAD)
+        words[head] = words[head] + (1 << 50)
+        for _ in range(3):
+            with pytest.raises(aioshmq.CorruptedError, match="more than a ring ahead"):
+                r.get_nowait()
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+@pytest.mark.parametrize("total", [1 << 45, 1 << 31], ids=["huge", "2GiB"])
+def test_scribbled_fragment_total_allocates_nothing(total: int) -> None:
+    """A first fragment lying about its message's size is refused, without first allocating
+    (and zero-filling) what it claims."""
+    with aioshmq.create(capacity=4096, serializer="raw") as w, aioshmq.connect(w.name) as r:
+        w.put_nowait(b"f" * 3000)  # fragments: the first one's aux word is the total
+        _scribble(w, 1, total)
+        before = _rss()
+        with pytest.raises(aioshmq.CorruptedError, match="ended after|claims"):
+            r.get_nowait()
+        assert _rss() - before < 16 << 20
+        w.put_nowait(b"next")
+        assert r.get_nowait() == b"next"
+
+
+def test_scribbled_fragment_length_is_refused() -> None:
+    with aioshmq.create(capacity=4096, serializer="raw") as w, aioshmq.connect(w.name) as r:
+        w.put_nowait(b"f" * 3000)
+        _scribble(w, 0, (100 << 8) | L.FIRST)  # a first fragment is always a full one
+        with pytest.raises(aioshmq.CorruptedError, match="fragments carry"):
+            r.get_nowait()
