@@ -1,0 +1,131 @@
+"""Cancellation points: every await of an end raises a pending cancellation first, as anyio's
+memory streams and trio's channels do, whether or not it would have had to wait."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+import pytest
+
+import aioshmq
+from aioshmq import _cancel
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_receive_when_cancelled() -> None:
+    """anyio's test of the same name: a receive in a cancelled scope takes nothing."""
+    with aioshmq.create(capacity=1 << 16) as w, aioshmq.connect(w.name) as r:
+        for i in range(5):
+            await w.put(i)
+        for _ in range(5):
+            with anyio.CancelScope() as scope:
+                scope.cancel()
+                await r.get()
+                raise AssertionError("get() went through in a cancelled scope")
+            assert scope.cancelled_caught
+        assert [await r.get() for _ in range(5)] == list(range(5))
+
+
+async def test_send_when_cancelled() -> None:
+    """anyio's test of the same name: a send in a cancelled scope publishes nothing."""
+    with aioshmq.create(capacity=1 << 16) as w, aioshmq.connect(w.name) as r:
+        for i in range(5):
+            with anyio.CancelScope() as scope:
+                scope.cancel()
+                await w.put(f"hello {i}")
+                raise AssertionError("put() went through in a cancelled scope")
+            assert scope.cancelled_caught
+        await w.put("world")
+        assert r.get_nowait() == "world"
+        with pytest.raises(aioshmq.Empty):
+            r.get_nowait()
+        assert w.statistics().messages_put == 1
+
+
+async def _lease(r: aioshmq.Reader[Any]) -> None:
+    async with r.lease():
+        pass
+
+
+CALLS: dict[str, Callable[[aioshmq.Writer[Any], aioshmq.Reader[Any]], Awaitable[Any]]] = {
+    "put": lambda w, r: w.put(1),
+    "send": lambda w, r: w.send(1),
+    "put_many": lambda w, r: w.put_many([1, 2]),
+    "wait_readers": lambda w, r: w.wait_readers(),
+    "get": lambda w, r: r.get(),
+    "receive": lambda w, r: r.receive(),
+    "get_many": lambda w, r: r.get_many(),
+    "lease": lambda w, r: _lease(r),
+}
+
+
+@pytest.mark.parametrize("call", CALLS)
+async def test_every_await_raises_a_pending_cancellation(call: str) -> None:
+    with aioshmq.create(capacity=1 << 16) as w, aioshmq.connect(w.name) as r:
+        for i in range(3):
+            await w.put(i)  # both ends have just been through a call: no yield is due
+            await w.put("waiting")  # a reader's call would not have to wait either
+            assert await r.get() == i
+            before = w.statistics()
+            with anyio.CancelScope() as scope:
+                scope.cancel()
+                await CALLS[call](w, r)
+            assert scope.cancelled_caught, f"{call} went through in a cancelled scope"
+            after = w.statistics()
+            assert (after.messages_put, after.messages_in_ring) == (
+                before.messages_put,
+                before.messages_in_ring,
+            )
+            assert r.get_nowait() == "waiting"
+
+
+async def test_a_deadline_already_past_cancels() -> None:
+    with aioshmq.create(capacity=1 << 16) as w, aioshmq.connect(w.name) as r:
+        with anyio.move_on_after(-1) as scope:
+            await w.put(1)
+        assert scope.cancelled_caught
+        await w.put(2)
+        with anyio.move_on_after(-1) as scope:
+            await r.get()
+        assert scope.cancelled_caught
+        assert await r.get() == 2
+
+
+async def test_a_shield_inside_a_cancelled_scope_lets_calls_through() -> None:
+    with aioshmq.create(capacity=1 << 16) as w, aioshmq.connect(w.name) as r:
+        with anyio.CancelScope() as outer:
+            outer.cancel()
+            with anyio.CancelScope(shield=True):
+                await w.put("shielded")
+                assert await r.get() == "shielded"
+        assert outer.cancelled_caught is False  # nothing in it was cancelled
+
+
+async def test_pending_checkpoint_sees_enclosing_scopes_up_to_a_shield(
+    anyio_backend: object,
+) -> None:
+    trio = anyio_backend == "trio"  # there trio's own check is handed back every time
+    assert _cancel.pending_checkpoint() is None or trio
+    with anyio.CancelScope() as outer:
+        with anyio.CancelScope():
+            outer.cancel()
+            found = _cancel.pending_checkpoint()
+            assert found is not None
+            with anyio.CancelScope(shield=True):
+                assert _cancel.pending_checkpoint() is None or trio
+            await found()
+            raise AssertionError("the pending cancellation was not raised")
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_the_cheap_path_is_in_use_on_asyncio(anyio_backend: str) -> None:
+    """On this anyio the check reads anyio's task state directly; if anyio ever changes
+    it, the check falls back to anyio's own (slower) function: this test then says so."""
+    with aioshmq.create(capacity=1 << 16) as w, aioshmq.connect(w.name) as r:
+        await w.put(1)
+        assert await r.get() == 1
+        assert _cancel.pending_checkpoint() is None
+    assert _cancel._Fast.on, "anyio's task state is not what aioshmq._cancel expects"
