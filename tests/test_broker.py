@@ -146,7 +146,9 @@ def _child_uses_inherited(writer: aioshmq.Writer[int], reader: aioshmq.Reader[in
     for call in (lambda: writer.put_nowait(1), reader.get_nowait):
         try:
             call()
-        except anyio.ClosedResourceError:
+        except anyio.ClosedResourceError as exc:
+            if "inherited through fork" not in str(exc) or "aioshmq.connect()" not in str(exc):
+                raise SystemExit(f"the error does not say what happened: {exc}") from None
             continue
         raise SystemExit("an inherited end worked in the child")
     targets = []
@@ -721,3 +723,16 @@ def test_a_stopped_broker_makes_the_writer_raise(monkeypatch: pytest.MonkeyPatch
         for call in (lambda: w.put_nowait(1), lambda: w.wait_readers_sync(timeout=5)):
             with pytest.raises(anyio.BrokenResourceError, match=r"broker thread .* stopped"):
                 call()
+
+
+def test_busy_slot_says_so_in_plain_words() -> None:
+    with aioshmq.create(capacity=1 << 16, readers=1) as w, aioshmq.connect(w.name, 0) as r:
+        with pytest.raises(anyio.BusyResourceError) as caught:
+            aioshmq.connect(w.name, 0)
+        text = str(caught.value)
+        assert text.startswith("reader slot 0 of ring") and "held by a live reader" in text
+        assert "Another task is already" not in text
+        with pytest.raises(anyio.BusyResourceError) as caught:
+            w.drop_reader(0)
+        assert str(caught.value) == "reader slot 0 is held by a live reader: it cannot be dropped"
+        r.close()

@@ -170,3 +170,140 @@ async def test_wake_ups_nobody_waits_for_neither_spin_the_loop_nor_get_lost(
         await w.put("z")
         await anyio.to_thread.run_sync(thread.join, 10)
         assert got == ["z"]
+
+
+# -- closing from another thread, blocking calls in a loop, ends that cross tasks -----------
+
+
+def _wait_until(condition: Any, what: str, timeout: float = 30.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.001)
+
+
+@pytest.mark.parametrize("kind", ["eventfd", "pipe"])
+@pytest.mark.parametrize("call", ["get_sync", "put_sync", "wait_readers_sync"])
+def test_close_from_another_thread_ends_a_blocked_call(kind: str, call: str) -> None:
+    """A monitor thread closes an end while a worker thread is blocked in it: the blocked
+    call raises ClosedResourceError (never EBADF, never a hang), and nothing leaks."""
+    import anyio
+
+    fds = _fds()
+    w = aioshmq.create(capacity=4096, max_messages=1, readers=2, notifier=kind)  # type: ignore
+    r = aioshmq.connect(w.name, 0)
+    if call != "wait_readers_sync":
+        w.drop_reader(1)
+    end: Any = r if call == "get_sync" else w
+    if call == "put_sync":
+        w.put_sync(0)  # full by count: the next put waits for the reader
+    outcome: list[BaseException | None] = []
+
+    def blocked() -> None:
+        try:
+            if call == "get_sync":
+                r.get_sync()
+            elif call == "put_sync":
+                w.put_sync(1)
+            else:
+                w.wait_readers_sync()  # slot 1 never comes
+        except BaseException as exc:
+            outcome.append(exc)
+        else:
+            outcome.append(None)
+
+    thread = threading.Thread(target=blocked)
+    thread.start()
+    _wait_until(lambda: end._waiting == 1, f"{call} sleeps")
+    end.close()  # from this thread: the monitor
+    thread.join(10)
+    assert not thread.is_alive(), f"{call} still blocked after the close"
+    (exc,) = outcome
+    assert isinstance(exc, anyio.ClosedResourceError), repr(exc)
+    r.close()
+    w.close()
+    gc.collect()
+    assert _fds() == fds
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "uvloop", "trio"])
+def test_close_from_another_thread_ends_an_awaiting_task(backend: str) -> None:
+    """The same for a task of an event loop that runs in another thread."""
+    import anyio
+
+    fds = _fds()
+    w = aioshmq.create(capacity=1 << 16)
+    r = aioshmq.connect(w.name, spin=0)
+    outcome: list[BaseException | None] = []
+
+    def loop_thread() -> None:
+        async def main() -> None:
+            try:
+                await r.get()
+            except BaseException as exc:
+                outcome.append(exc)
+            else:
+                outcome.append(None)
+
+        if backend == "uvloop":
+            anyio.run(main, backend="asyncio", backend_options={"use_uvloop": True})
+        else:
+            anyio.run(main, backend=backend)
+
+    thread = threading.Thread(target=loop_thread)
+    thread.start()
+    _wait_until(lambda: r._waiting == 1, "get() sleeps")
+    r.close()
+    thread.join(10)
+    assert not thread.is_alive(), "get() still waiting after the close"
+    (exc,) = outcome
+    assert isinstance(exc, anyio.ClosedResourceError), repr(exc)
+    w.close()
+    gc.collect()
+    assert _fds() == fds
+
+
+@pytest.mark.anyio
+async def test_blocking_calls_are_refused_in_a_running_loop(anyio_backend: object) -> None:
+    import anyio
+
+    with aioshmq.create(capacity=1 << 16, readers=1) as w, aioshmq.connect(w.name) as r:
+        refused = {
+            "put_sync": (lambda: w.put_sync(1, timeout=0.5), r"await writer\.put\(obj\)"),
+            "get_sync": (lambda: r.get_sync(timeout=0.5), r"await reader\.get\(\)"),
+            "wait_readers_sync": (
+                lambda: w.wait_readers_sync(timeout=0.5),
+                r"await writer\.wait_readers\(\)",
+            ),
+        }
+        for name, (call, instead) in refused.items():
+            with pytest.raises(RuntimeError, match=rf"{name}\(\) blocks.*{instead}"):
+                call()
+        assert w.statistics().messages_put == 0  # refused before doing anything
+        # From a worker thread, outside the loop, they work.
+        await anyio.to_thread.run_sync(lambda: w.put_sync(2, timeout=5))
+        assert await anyio.to_thread.run_sync(lambda: r.get_sync(timeout=5)) == 2
+
+
+@pytest.mark.anyio
+async def test_ends_open_in_one_task_and_close_in_another(anyio_backend: object) -> None:
+    import anyio
+
+    opened: list[Any] = []
+
+    async def opener() -> None:
+        w = aioshmq.create(capacity=1 << 16)
+        opened.extend([w, aioshmq.connect(w.name)])
+        await w.__aenter__()
+        await opened[1].__aenter__()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(opener)
+    w, r = opened
+    await w.put("across tasks")
+    assert await r.get() == "across tasks"
+    await r.__aexit__(None, None, None)
+    await w.__aexit__(None, None, None)
+    assert w._closed and r._closed

@@ -353,7 +353,7 @@ def test_scribbled_fragment_total_allocates_nothing(total: int) -> None:
         w.put_nowait(b"f" * 3000)  # fragments: the first one's aux word is the total
         _scribble(w, 1, total)
         before = _rss()
-        with pytest.raises(aioshmq.CorruptedError, match="ended after|claims"):
+        with pytest.raises(aioshmq.CorruptedError, match=r"ended after|claims"):
             r.get_nowait()
         assert _rss() - before < 16 << 20
         w.put_nowait(b"next")

@@ -231,3 +231,53 @@ async def test_cloudpickle_sends_numpy_arrays_out_of_band() -> None:
             assert got.dtype == arr.dtype and np.array_equal(got, arr)
             main, buffers = w._ser.dumps(arr)
             assert len(buffers) == 1 and len(main) < 1000
+
+
+def _local_function() -> Any:
+    def inner() -> None:
+        pass
+
+    return inner
+
+
+@pytest.mark.parametrize(
+    ("obj", "hint"),
+    [
+        (lambda: 1, True),
+        (_local_function(), True),
+        ([1, {"f": lambda: 2}], True),
+        (__import__("threading").Lock(), False),
+    ],
+    ids=["lambda", "local function", "nested lambda", "lock"],
+)
+def test_what_cannot_be_pickled_is_named(obj: object, hint: bool) -> None:
+    """One error type for everything pickle refuses (it raises three), saying what failed
+    and, for functions, what to use instead; pickle's own error is the cause."""
+    with aioshmq.create(capacity=1 << 16) as w, aioshmq.connect(w.name) as r:
+        with pytest.raises(aioshmq.SerializationError) as caught:
+            w.put_nowait(obj)
+        text = str(caught.value)
+        assert f"cannot serialize {type(obj).__qualname__} object" in text
+        assert ("serializer='cloudpickle'" in text) == hint
+        assert caught.value.__cause__ is not None
+        assert isinstance(caught.value, TypeError)  # what callers caught before
+        del caught
+        w.put_nowait("next")  # nothing was written: the ring goes on
+        assert r.get_nowait() == "next"
+
+
+@pytest.mark.anyio
+async def test_put_many_names_the_object_that_cannot_be_pickled(anyio_backend: object) -> None:
+    import threading
+
+    with aioshmq.create(capacity=1 << 16) as w, aioshmq.connect(w.name) as r:
+        try:
+            await w.put_many([1, 2, threading.Lock(), 4])
+        except aioshmq.SerializationError as exc:
+            assert "lock object" in str(exc)
+            assert any("object 2 of the 4" in note for note in exc.__notes__)
+        else:
+            raise AssertionError("an unpicklable batch was sent")
+        assert w.statistics().messages_put == 0
+        await w.put_many([5, 6])
+        assert await r.get_many() == [5, 6]

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pickle
 import threading
+from typing import Any
 
 import anyio
 import pytest
+from conftest import Children
 
 import aioshmq
 
@@ -305,3 +307,76 @@ async def test_cancelled_multi_record_batch_publishes_nothing() -> None:
             assert await r.get_many() == [b"0", b"1"]
             await w.put_many([b"5", b"6"])
             assert await r.get_many() == [b"5", b"6"]
+
+
+# -- closing with messages for slots no reader attached ------------------------------------
+
+
+def test_closing_with_messages_nobody_can_get_warns() -> None:
+    w = aioshmq.create(capacity=1 << 16, readers=3)
+    r = aioshmq.connect(w.name, 0)
+    for i in range(3):
+        w.put_nowait(i)
+    with pytest.warns(aioshmq.UndeliveredWarning, match=r"3 messages for reader slots \[1, 2\]"):
+        w.close()
+    assert w._closed  # closed even where warnings are errors
+    assert [r.get_nowait() for _ in range(3)] == [0, 1, 2]  # an attached reader gets all
+    r.close()
+
+
+def _late_reader(name: str, started: Any, result: Any) -> None:
+    started.set()
+    with aioshmq.connect(name, timeout=60) as r:
+        got = []
+        while True:
+            try:
+                got.append(r.get_sync(timeout=60))
+            except anyio.EndOfStream:
+                break
+    result.put(got)
+
+
+@pytest.mark.parametrize("how", ["close", "aclose", "async with"])
+def test_linger_waits_for_a_late_reader(how: str, children: Children) -> None:
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    started, result = ctx.Event(), ctx.Queue()
+
+    async def main() -> None:
+        async with aioshmq.create(capacity=1 << 16, linger=60) as w:
+            for i in range(3):
+                await w.put(i)
+            await anyio.to_thread.run_sync(
+                children.start, "spawn", _late_reader, w.name, started, result
+            )
+            assert await anyio.to_thread.run_sync(started.wait, 60)
+            if how == "aclose":
+                await w.aclose()
+
+    if how == "close":
+        w = aioshmq.create(capacity=1 << 16)
+        for i in range(3):
+            w.put_nowait(i)
+        children.start("spawn", _late_reader, w.name, started, result)
+        assert started.wait(60)
+        w.close(linger=60)  # returns once the reader has attached: no warning
+    else:
+        anyio.run(main)
+    assert result.get(timeout=60) == [0, 1, 2]
+    assert children.join() == [0]
+    result.close()
+    result.join_thread()
+
+
+def test_linger_that_runs_out_warns() -> None:
+    import time
+
+    w = aioshmq.create(capacity=1 << 16, linger=0.2)
+    w.put_nowait("lost")
+    start = time.monotonic()
+    with pytest.warns(aioshmq.UndeliveredWarning, match=r"1 messages for reader slots \[0\]"):
+        w.close()
+    assert time.monotonic() - start >= 0.2
+    with pytest.raises(ValueError, match="linger"):
+        aioshmq.create(linger=-1)
