@@ -214,7 +214,7 @@ def test_close_from_another_thread_ends_a_blocked_call(kind: str, call: str) -> 
         else:
             outcome.append(None)
 
-    thread = threading.Thread(target=blocked)
+    thread = threading.Thread(target=blocked, daemon=True)
     thread.start()
     _wait_until(lambda: end._waiting == 1, f"{call} sleeps")
     end.close()  # from this thread: the monitor
@@ -252,7 +252,7 @@ def test_close_from_another_thread_ends_an_awaiting_task(backend: str) -> None:
         else:
             anyio.run(main, backend=backend)
 
-    thread = threading.Thread(target=loop_thread)
+    thread = threading.Thread(target=loop_thread, daemon=True)
     thread.start()
     _wait_until(lambda: r._waiting == 1, "get() sleeps")
     r.close()
