@@ -160,7 +160,6 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
             self._wait_fd = self._epoll.fileno()
             confirm(att, name)  # from here on the slot is this reader's
             self._ring = RingReader(self._seg, self._layout, index, self._writer_wake.signal)
-            self._seg.words[self._layout.reader_word(index, L.R_PID)] = os.getpid()
         except BaseException:
             if self._epoll is not None:
                 self._epoll.close()
@@ -321,7 +320,7 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         if lease.mark is not None and not self._closed:
             self._ring.unpin(lease.mark)
         if lease.spare is not None:
-            self._ring.spare = lease.spare
+            self._ring.keep_spare(lease.spare)
         lease.mark = lease.spare = None
 
     async def get(self) -> T:
@@ -429,7 +428,7 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         self._check()
         ring = self._ring
         ring.refresh()
-        head_count = self._seg.words[self._layout.writer_word(L.W_HEAD_COUNT)]
+        head_count = ring.published_count()
         return ReaderStatistics(
             reader=self._index,
             messages_available=max(head_count - ring.count, 0) + len(self._pending),

@@ -419,6 +419,7 @@ class RingReader:
         self.r_tail = layout.reader_word(index, L.R_TAIL)
         self.r_count = layout.reader_word(index, L.R_TAIL_COUNT)
         self.r_sleep = layout.reader_word(index, L.R_SLEEP)
+        self.w[layout.reader_word(index, L.R_PID)] = os.getpid()  # for a reader of the ring
         self.tail = self.w[self.r_tail]
         self.count = self.w[self.r_count]
         self.head = self.tail
@@ -607,6 +608,15 @@ class RingReader:
                 self.wakeups += 1
                 self.wake_writer()
         self.shown_tail, self.shown_count = tail, count
+
+    def keep_spare(self, buffer: bytearray) -> None:
+        """A finished lease's reassembly buffer: the next fragmented message of its size
+        is rebuilt into it (no fresh page faults)."""
+        self.spare = buffer
+
+    def published_count(self) -> int:
+        """Messages the writer has published so far."""
+        return self.w[self.layout.writer_word(L.W_HEAD_COUNT)]
 
     def pin(self) -> tuple[int, int]:
         """Keep the record ``next()`` returned from being reused until ``unpin``."""
