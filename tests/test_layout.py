@@ -49,3 +49,85 @@ def test_scribbled_header(offset: int, value: int, match: str) -> None:
 def test_truncated_segment() -> None:
     with pytest.raises(CorruptedError, match="too small"):
         Layout.read_header(memoryview(bytearray(64)))
+
+
+# -- ARCHITECTURE.md's layout tables say what _layout.py does ----------------------------------
+
+
+def _tables() -> list[list[list[str]]]:
+    """Every Markdown table of ARCHITECTURE.md, as rows of stripped cells (header first)."""
+    from pathlib import Path
+
+    text = (Path(__file__).parent.parent / "ARCHITECTURE.md").read_text()
+    tables: list[list[list[str]]] = []
+    rows: list[list[str]] = []
+    for line in [*text.splitlines(), ""]:
+        if line.startswith("|"):
+            cells = [cell.strip().strip("`") for cell in line.strip().strip("|").split("|")]
+            if not set("".join(cells)) <= set("-: "):
+                rows.append(cells)
+        elif rows:
+            tables.append(rows)
+            rows = []
+    return tables
+
+
+def _table(header: list[str]) -> list[list[str]]:
+    found = [t[1:] for t in _tables() if t[0] == header]
+    assert len(found) == 1, f"ARCHITECTURE.md has {len(found)} tables headed {header}"
+    return found[0]
+
+
+def test_documented_header_matches_the_code() -> None:
+    rows = _table(["offset", "field", "value"])
+    documented = {field: int(offset) for offset, field, _value in rows}
+    assert documented == {
+        "magic": L.OFF_MAGIC,
+        "version": L.OFF_VERSION,
+        "capacity": L.OFF_CAPACITY,
+        "max_messages": L.OFF_MAX_MESSAGES,
+        "readers": L.OFF_READERS,
+        "data_offset": L.OFF_DATA,
+        "writer_pid": L.OFF_WRITER_PID,
+    }
+    values = {field: value for _offset, field, value in rows}
+    assert f"{L.MAGIC:#x}" in values["magic"].lower() and str(L.VERSION) in values["version"]
+
+
+def test_documented_counter_lines_match_the_code() -> None:
+    layout = Layout(capacity=1 << 20, max_messages=64, readers=3)
+    lines = [t[1:] for t in _tables() if t[0] == ["word", "byte", "name", "meaning"]]
+    writer = [t for t in lines if t[0][2].startswith("W_")]
+    reader = [t for t in lines if t[0][2].startswith("R_")]
+    assert len(writer) == len(reader) == 1 == len(lines) - 1
+    assert {row[2] for row in writer[0]} == {n for n in dir(L) if n.startswith("W_")}
+    assert {row[2] for row in reader[0]} == {n for n in dir(L) if n.startswith("R_")}
+    for word, byte, name, _meaning in writer[0]:
+        assert getattr(L, name) == int(word)
+        assert int(byte) == layout.writer_word(getattr(L, name)) * 8
+    for word, byte, name, _meaning in reader[0]:
+        assert getattr(L, name) == int(word)
+        for i in range(3):  # the byte column is a formula in i
+            assert eval(byte, {"i": i}) == layout.reader_word(i, getattr(L, name)) * 8
+
+
+def test_documented_record_kinds_match_the_code() -> None:
+    rows = _table(["kind", "value", "meaning"])
+    documented = {name: int(value, 0) for name, value, _meaning in rows}
+    in_code = {n: getattr(L, n) for n in ("PAD", "MSG", "FIRST", "MIDDLE", "LAST", "OOB", "BATCH")}
+    assert documented == in_code
+
+
+def test_documented_modules_match_their_docstrings() -> None:
+    import importlib
+    import pkgutil
+
+    import aioshmq
+
+    rows = _table(["module", "owns"])
+    documented = {module: owns for module, owns in rows}
+    for info in pkgutil.iter_modules(aioshmq.__path__):
+        if info.ispkg or info.name == "__main__":
+            continue
+        doc = (importlib.import_module(f"aioshmq.{info.name}").__doc__ or "").splitlines()[0]
+        assert documented.get(f"{info.name}.py") == doc.replace("``", "`"), info.name
