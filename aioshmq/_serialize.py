@@ -188,7 +188,7 @@ _NAMED: dict[str, type[Serializer]] = {
     "raw": RawSerializer,
 }
 
-SerializerSpec = str | UserSerializer
+SerializerSpec = str | UserSerializer | Serializer
 
 
 def resolve(spec: SerializerSpec) -> Serializer:

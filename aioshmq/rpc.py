@@ -7,16 +7,18 @@ turn leave as one batch: one record, one publish, at most one wake-up per sleepi
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import itertools
 import logging
 import os
+import pickle
 import secrets
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Awaitable, Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, NamedTuple
@@ -28,7 +30,7 @@ from anyio.lowlevel import checkpoint
 from ._end import YIELD_INTERVAL
 from ._errors import Empty, PeerDied
 from ._reader import DEFAULT_SPIN, Reader, connect
-from ._serialize import Serializer, SerializerSpec, resolve
+from ._serialize import Buffer, PickleSerializer, Serializer, SerializerSpec, resolve
 from ._writer import Writer, create
 
 __all__ = [
@@ -50,8 +52,10 @@ RECEIVE_BATCH = 128  #: replies the client handles per step: bounds the time bet
 _ALL = -1  # in a call message: every worker that runs the call replies
 
 # A call on the wire: (id, method, args, kwargs, ranks that run it or None for all, the one
-# rank that replies or _ALL).  A reply: (id, ok, result) or (id, False, (exception, text)).
+# rank that replies or _ALL).  A reply: (id, ok, result) or (id, False, (exception, text));
+# with a pickle serializer the result or exception travels boxed (see _Boxed).
 _Message = tuple[int, Any, tuple[Any, ...], dict[str, Any], tuple[int, ...] | None, int]
+_Reply = tuple[Any, ...]
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,59 @@ class RemoteError(Exception):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return type(self), (self.args[0], self.type_name)
+
+
+# Reply values of these types always load: they travel as they are, never boxed.
+_PLAIN = frozenset({int, float, str, bytes, bool, type(None)})
+
+
+class _Boxed:
+    """A reply's value pickled on its own, for a reply batch that travels as one pickled list.
+
+    Loading the batch calls ``_unbox`` for each boxed value, which catches the value's own
+    load error: a result or exception whose class the client cannot import fails its own
+    call, not the whole batch.  The value's out-of-band buffers (numpy arrays) are passed on
+    as ``PickleBuffer``s, so the batch's pickle keeps them out of band as well.
+    """
+
+    __slots__ = ("_reduced",)
+
+    def __init__(
+        self, main: Buffer, buffers: list[memoryview], type_name: str, summary: str | None
+    ) -> None:
+        data = main if type(main) is bytes else bytes(main)
+        oob = tuple([pickle.PickleBuffer(b) for b in buffers]) if buffers else ()
+        self._reduced = (_unbox, (data, oob, type_name, summary))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return self._reduced
+
+
+class _Unloadable:
+    """What a boxed value that did not load in the client becomes: its call fails with it."""
+
+    __slots__ = ("error", "summary", "type_name")
+
+    def __init__(self, type_name: str, summary: str | None, error: Exception) -> None:
+        self.type_name = type_name  #: the qualified name of the value's type
+        self.summary = summary  #: for an exception, "Type: message" as the worker saw it
+        self.error = error  #: why it did not load
+
+
+def _unbox(main: bytes, buffers: Sequence[Any], type_name: str, summary: str | None) -> Any:
+    try:
+        return pickle.loads(main, buffers=buffers)
+    except Exception as exc:
+        return _Unloadable(type_name, summary, exc)
+
+
+def _summary(exc: BaseException) -> str:
+    """``Type: message`` of an exception, even one whose ``__str__`` fails."""
+    try:
+        text = str(exc)
+    except Exception:
+        text = "<str() failed>"
+    return f"{type(exc).__qualname__}: {text}"
 
 
 class ClientStatistics(NamedTuple):
@@ -147,15 +204,37 @@ class Call:
     def _deliver(self, rank: int, ok: bool, value: Any) -> None:
         if rank not in self._missing:
             return
-        self._missing.discard(rank)
-        if ok:
+        if ok and type(value) is not _Unloadable:
             self._results[rank] = value
+        elif ok:
+            self._errors[rank] = self._unloadable_result(rank, value)
         else:
             self._errors[rank] = _rebuild(value, rank, self._client.name)
+        self._missing.discard(rank)
         if not self._missing:
             self._client._pending.pop(self.id, None)
             if self._event is not None:
                 self._event.set()
+
+    def _reject(self, rank: int, error: BaseException) -> None:
+        """Record ``error`` as worker ``rank``'s answer (a reply that did not load)."""
+        if rank not in self._missing:
+            return
+        self._errors[rank] = error
+        self._missing.discard(rank)
+        if not self._missing:
+            self._client._pending.pop(self.id, None)
+            if self._event is not None:
+                self._event.set()
+
+    def _unloadable_result(self, rank: int, value: _Unloadable) -> RemoteError:
+        error = RemoteError(
+            f"worker {rank}'s result of call {self.id} ({self.method}), a {value.type_name} "
+            f"object, could not be loaded here: {value.error}",
+            value.type_name,
+        )
+        error.__cause__ = value.error
+        return error
 
     def _finish(self, error: BaseException) -> None:
         self._error = error
@@ -198,10 +277,19 @@ class Call:
 
 
 def _rebuild(value: Any, rank: int, name: str) -> BaseException:
-    """The exception a worker sent back, with its traceback text attached."""
+    """The exception a worker sent back, with its traceback text attached.
+
+    One that did not load here becomes a RemoteError whose cause is the load error; the
+    remote traceback is then a note.
+    """
     sent, text = value
-    exc = sent if isinstance(sent, BaseException) else RemoteError(repr(sent), "?")
-    exc.__cause__ = RemoteTraceback(text)
+    if type(sent) is _Unloadable:
+        exc: BaseException = RemoteError(sent.summary or "?", sent.type_name)
+        exc.__cause__ = sent.error
+        exc.add_note(f"it could not be loaded here; the remote traceback:\n{text}")
+    else:
+        exc = sent if isinstance(sent, BaseException) else RemoteError(repr(sent), "?")
+        exc.__cause__ = RemoteTraceback(text)
     exc.add_note(f"raised in worker {rank} of aioshmq.rpc client {name!r}")
     return exc
 
@@ -219,11 +307,13 @@ class Client:
 
     Use it as ``async with Client(n) as client``: that starts its tasks (one sends batches,
     one per worker collects replies) and, on leaving, closes the rings, which stops the
-    workers' ``serve``.  Pass ``client.handle`` to the workers.  Calls submitted before the
-    workers attach wait for them.  ``workers`` and ``unique_reply_rank`` are keywords of
-    ``call``/``submit`` themselves, never passed on to the method.  ``spin`` is the reply
-    readers' (see ``aioshmq.connect``); by default they spin only if the scheduler and the
-    workers each have a CPU of their own.
+    workers' ``serve``.  The tasks run in a task of the client's own, so any task may
+    close it (``__aexit__`` or ``aclose``), not only the one that opened it; if the event
+    loop ends first, that task closes the rings on its way out.  Pass ``client.handle`` to
+    the workers.  Calls submitted before the workers attach wait for them.  ``workers`` and
+    ``unique_reply_rank`` are keywords of ``call``/``submit`` themselves, never passed on to
+    the method.  ``spin`` is the reply readers' (see ``aioshmq.connect``); by default they
+    spin only if the scheduler and the workers each have a CPU of their own.
     """
 
     def __init__(
@@ -245,16 +335,15 @@ class Client:
         ):
             raise ValueError(f"spin must be a number of seconds from 0 to 1, not {spin!r}")
         self._workers = workers
-        self._ser_spec = serializer
         self._spin = _default_spin(workers) if spin is None else spin
+        self._ser: Serializer = resolve(serializer)
         self._calls: Writer[Any] = create(
             capacity,
             max_messages,
             workers,
-            serializer=serializer,
+            serializer=self._ser,
             name=name or f"rpc-{secrets.token_hex(6)}",
         )
-        self._ser: Serializer = self._calls._ser
         self._replies: list[Reader[Any]] = []
         self._pending: dict[int, Call] = {}
         self._outbox: list[Call] = []
@@ -263,6 +352,9 @@ class Client:
         self._kick: anyio.Event | None = None
         self._ready: anyio.Event | None = None
         self._tg: TaskGroup | None = None
+        self._stop: anyio.Event | None = None  # set: the host task is to end
+        self._stopped: anyio.Event | None = None  # set: it ended, the rings are closed
+        self._host: asyncio.Task[None] | None = None  # (asyncio keeps only weak references)
         self._failure: BaseException | None = None
         self._closed = False
         self._submitted = self._received = 0
@@ -283,13 +375,25 @@ class Client:
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def __aenter__(self) -> Client:
-        if self._tg is not None or self._closed:
+        if self._stop is not None or self._closed:
             raise RuntimeError("this client was already started")
         self._ready = anyio.Event()
-        tg = anyio.create_task_group()
-        await tg.__aenter__()
-        self._tg = tg
-        tg.start_soon(self._run)
+        self._stop = anyio.Event()
+        self._stopped = anyio.Event()
+        entered = anyio.Event()
+        if _on_asyncio():
+            self._host = asyncio.get_running_loop().create_task(
+                self._run_host(entered), name=f"aioshmq.rpc client {self.name}"
+            )
+        else:
+            import trio
+
+            trio.lowlevel.spawn_system_task(
+                self._run_system_host, entered, name=f"aioshmq.rpc client {self.name}"
+            )
+        # Until the host task has begun, its cleanup would not run if the loop ended.
+        with anyio.CancelScope(shield=True):
+            await entered.wait()
         return self
 
     async def __aexit__(
@@ -298,26 +402,55 @@ class Client:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool | None:
-        tg = self._tg
-        self._shut(anyio.ClosedResourceError("the aioshmq.rpc client was closed"))
-        try:
-            if tg is not None:
-                # The body's own exception is not the task group's: it propagates as itself.
-                tg.cancel_scope.cancel()
-                await tg.__aexit__(None, None, None)
-        finally:
-            self._release()
+        # The body's own exception is not the client's: it propagates as itself.
+        await self._close()
         return None
 
     async def aclose(self) -> None:
         """Close the client (the workers then stop serving); pending calls fail.
 
-        The client's tasks end as their rings close; nothing is cancelled, so calling
-        this inside ``async with client:`` does not cancel the caller.
+        Any task may call it.  Only the client's own tasks are cancelled, so calling this
+        inside ``async with client:`` does not cancel the caller.
         """
-        self._shut(anyio.ClosedResourceError("the aioshmq.rpc client was closed"))
-        self._release()
+        await self._close()
         await checkpoint()
+
+    async def _close(self) -> None:
+        """Fail the calls, end the host task and wait until it has closed the rings."""
+        self._shut(anyio.ClosedResourceError("the aioshmq.rpc client was closed"))
+        if self._stop is None or self._stopped is None:  # never started: no host task
+            self._release()
+            return
+        self._stop.set()
+        if not self._stopped.is_set():
+            with anyio.CancelScope(shield=True):
+                await self._stopped.wait()
+
+    async def _run_host(self, entered: anyio.Event) -> None:
+        """The client's own task: it holds the task group of the client's tasks until the
+        client is closed or the event loop ends, then closes the rings."""
+        assert self._stop is not None and self._stopped is not None
+        try:
+            entered.set()
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                tg.start_soon(self._run)
+                await self._stop.wait()
+                tg.cancel_scope.cancel()
+        finally:
+            try:
+                self._shut(anyio.ClosedResourceError("the aioshmq.rpc client's event loop ended"))
+                self._release()
+            finally:
+                self._stopped.set()
+
+    async def _run_system_host(self, entered: anyio.Event) -> None:
+        """``_run_host`` as a trio system task, which must never raise: trio.run would crash."""
+        try:
+            await self._run_host(entered)
+        except BaseException as exc:
+            if not _only_cancelled(exc):
+                _log.error("the task of aioshmq.rpc client %r failed", self.name, exc_info=exc)
 
     def _shut(self, error: BaseException) -> None:
         if not self._closed:
@@ -367,7 +500,7 @@ class Client:
         self._raise_failure()
         if self._closed:
             raise anyio.ClosedResourceError("the aioshmq.rpc client is closed")
-        if self._tg is None:
+        if self._stop is None:
             raise RuntimeError("start the client first: async with client: ...")
         if not (isinstance(method, str) and method) and not callable(method):
             raise TypeError(f"method must be a method name or a function, not {method!r}")
@@ -425,7 +558,7 @@ class Client:
             workers=self._workers,
             calls_submitted=self._submitted,
             calls_pending=len(self._pending),
-            batches_sent=self._calls._ring.publishes,
+            batches_sent=stats.publishes,
             replies_received=self._received,
             wakeups_sent=stats.wakeups_sent,
         )
@@ -460,7 +593,7 @@ class Client:
         await self._send()
 
     async def _connect_reply(self, rank: int) -> Reader[Any]:
-        serializer = self._ser_spec if self._ser.name == "custom" else None
+        serializer = self._ser if self._ser.name == "custom" else None
         await checkpoint()
         try:
             # Made in this thread, so its lock is this loop's; the broker answers at once.
@@ -538,15 +671,18 @@ class Client:
                 return
             except Exception as exc:  # a reply that did not load
                 # Replies come in call order, so it answers the oldest call still expected.
+                # (Boxed values load on their own, so with a pickle serializer only a reply
+                # of a custom serializer, one message each, fails here.)
                 if expected:
                     call = pending.get(expected.popleft())
                     if call is not None:
-                        failure = TypeError(
+                        failure = RemoteError(
                             f"worker {rank}'s reply to call {call.id} ({call.method}) "
-                            f"could not be loaded: {exc}"
+                            f"could not be loaded here: {exc}",
+                            "?",
                         )
                         failure.__cause__ = exc
-                        call._finish(failure)
+                        call._reject(rank, failure)
                 continue
             self._received += len(replies)
             for cid, ok, value in replies:
@@ -555,6 +691,23 @@ class Client:
                 call = pending.get(cid)
                 if call is not None:
                     call._deliver(rank, ok, value)
+
+
+def _on_asyncio() -> bool:
+    """Whether this is an asyncio task (not trio, nor trio run as a guest of asyncio)."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return asyncio.current_task(loop) is not None
+
+
+def _only_cancelled(exc: BaseException) -> bool:
+    """Whether ``exc`` is the backend's cancellation, or a group of nothing else."""
+    cancelled = anyio.get_cancelled_exc_class()
+    if isinstance(exc, BaseExceptionGroup):
+        return exc.split(cancelled)[1] is None
+    return isinstance(exc, cancelled)
 
 
 def _fresh(error: BaseException) -> BaseException:
@@ -612,14 +765,18 @@ class _Worker:
                 f"client {handle.name!r} uses a custom serializer: pass the same one as "
                 "serve(..., serializer=...)"
             )
-        spec = serializer if serializer is not None else handle.serializer
         self.target = target
-        self.ser = resolve(spec)
+        self.ser = resolve(serializer if serializer is not None else handle.serializer)
+        # A pickle serializer sends a batch of replies as one pickled list: box its values.
+        self.boxes = isinstance(self.ser, PickleSerializer)
+        self.type_names: dict[type, str] = {}
         self.replies: Writer[Any] = create(
-            capacity, 1 << 16, 1, serializer=spec, name=_reply_name(handle.name, rank)
+            capacity, 1 << 16, 1, serializer=self.ser, name=_reply_name(handle.name, rank)
         )
         try:
-            self.calls: Reader[Any] = connect(handle.name, rank, serializer=spec, spin=spin)
+            self.calls: Reader[Any] = connect(
+                handle.name, rank, serializer=self.ser, spin=spin
+            )
         except BaseException:
             self.replies.close()
             raise
@@ -645,9 +802,69 @@ class _Worker:
             return fail, reply
         return functools.partial(fn, *args, **kwargs), reply
 
-    def error(
-        self, cid: int, exc: BaseException, reply: bool, method: Any
-    ) -> tuple[Any, ...] | None:
+    def process(
+        self, batch: Iterable[_Message], awaits: bool
+    ) -> Generator[list[_Reply] | Awaitable[Any], Any, None]:
+        """Run the calls of ``batch`` in order and build their replies: the one batch
+        processor of ``serve`` and ``serve_sync``, which differ only in how they wait.
+
+        Yields what its driver must do: a list of replies to send now (at the end of the
+        batch, or as soon as the first of them has waited FLUSH_AFTER), or, only if
+        ``awaits``, the awaitable an async method returned, whose result the driver sends
+        back (or whose exception it throws in).  Without ``awaits`` an async method is an
+        error reply.
+        """
+        out: list[_Reply] = []
+        since = 0.0
+        for message in batch:
+            run, reply = self.start(message)
+            if run is None:
+                continue
+            cid = message[0]
+            try:
+                result = run()
+                if inspect.isawaitable(result):
+                    if not awaits:
+                        close = getattr(result, "close", None)
+                        if close is not None:
+                            close()  # never awaited: no "was never awaited" warning
+                        raise TypeError(f"{message[1]!r} is async: serve it with aioshmq.rpc.serve")
+                    result = yield result
+            except Exception as exc:
+                answer = self.error(cid, exc, reply, message[1])
+            else:
+                answer = self.result(cid, result) if reply else None
+            if answer is not None:
+                now = time.monotonic()
+                if not out:
+                    since = now
+                out.append(answer)
+                if now - since > FLUSH_AFTER:
+                    yield out
+                    out = []
+        if out:
+            yield out
+
+    def type_name(self, kind: type) -> str:
+        # One string object per type: a batch's pickle then holds it once.
+        name = self.type_names.get(kind)
+        if name is None:
+            if len(self.type_names) >= 256:
+                self.type_names.clear()
+            name = self.type_names[kind] = f"{kind.__module__}.{kind.__qualname__}"
+        return name
+
+    def result(self, cid: int, result: Any) -> _Reply:
+        """The reply carrying a call's result; an error reply if it does not serialize."""
+        if self.boxes and type(result) not in _PLAIN:
+            try:
+                main, buffers = self.ser.dumps(result)
+            except Exception as exc:
+                return self.unserializable(cid, exc)
+            result = _Boxed(main, buffers, self.type_name(type(result)), None)
+        return (cid, True, result)
+
+    def error(self, cid: int, exc: BaseException, reply: bool, method: Any) -> _Reply | None:
         text = "".join(traceback.format_exception(exc))
         if not reply:
             _log.warning(
@@ -658,22 +875,24 @@ class _Worker:
                 text,
             )
             return None
+        kind = type(exc)
+        sent: Any = exc
         try:  # it must load at the caller as well as pickle here
             main, buffers = self.ser.dumps(exc)
             self.ser.loads(memoryview(main), buffers)
-            sent: BaseException = exc
         except Exception:
-            kind = type(exc)
-            sent = RemoteError(
-                f"{kind.__qualname__}: {exc}", f"{kind.__module__}.{kind.__qualname__}"
-            )
+            sent = RemoteError(_summary(exc), self.type_name(kind))
+            if self.boxes:
+                main, buffers = self.ser.dumps(sent)
+        if self.boxes:
+            sent = _Boxed(main, buffers, self.type_name(kind), _summary(exc))
         return (cid, False, (sent, text))
 
-    def unserializable(self, reply: tuple[Any, ...], exc: Exception) -> tuple[Any, ...]:
+    def unserializable(self, cid: int, exc: Exception) -> _Reply:
         """The error reply sent in place of a result that did not serialize."""
-        failure = TypeError(f"the result of call {reply[0]} could not be serialized: {exc}")
+        failure = TypeError(f"the result of call {cid} could not be serialized: {exc}")
         failure.__cause__ = exc
-        answer = self.error(reply[0], failure, True, "")
+        answer = self.error(cid, failure, True, "")
         assert answer is not None
         return answer
 
@@ -701,36 +920,32 @@ async def serve(
                 batch = await worker.calls.get_many()
             except (anyio.EndOfStream, PeerDied):
                 return
-            out: list[tuple[Any, ...]] = []
-            since = 0.0
-            for message in batch:
-                run, reply = worker.start(message)
-                if run is None:
-                    continue
-                try:
-                    result = run()
-                    if inspect.isawaitable(result):
-                        result = await result
-                except Exception as exc:
-                    answer = worker.error(message[0], exc, reply, message[1])
-                else:
-                    answer = (message[0], True, result) if reply else None
-                if answer is not None:
-                    if not out:
-                        since = time.monotonic()
-                    out.append(answer)
-                    if time.monotonic() - since > FLUSH_AFTER:
-                        await _send(worker, out)
-                        out = []
-            if out:
-                await _send(worker, out)
+            steps = worker.process(batch, awaits=True)
+            try:
+                outcome: Any = None
+                failure: Exception | None = None
+                while True:
+                    try:
+                        step = steps.send(outcome) if failure is None else steps.throw(failure)
+                    except StopIteration:
+                        break
+                    outcome = failure = None
+                    if isinstance(step, list):
+                        await _send(worker, step)
+                    else:
+                        try:
+                            outcome = await step
+                        except Exception as exc:
+                            failure = exc
+            finally:
+                steps.close()
     except PeerDied:  # the client died while a reply waited for room
         return
     finally:
         worker.close()
 
 
-async def _send(worker: _Worker, replies: list[tuple[Any, ...]]) -> None:
+async def _send(worker: _Worker, replies: list[_Reply]) -> None:
     try:
         await worker.replies.put_many(replies)
     except (anyio.ClosedResourceError, anyio.BrokenResourceError):
@@ -742,7 +957,7 @@ async def _send(worker: _Worker, replies: list[tuple[Any, ...]]) -> None:
             except (anyio.ClosedResourceError, anyio.BrokenResourceError):
                 raise
             except Exception as exc:  # nothing was written: say why instead
-                await worker.replies.put(worker.unserializable(reply, exc))
+                await worker.replies.put(worker.unserializable(reply[0], exc))
 
 
 def serve_sync(
@@ -758,39 +973,28 @@ def serve_sync(
     try:
         while True:
             try:
-                message = worker.calls.get_sync()
+                batch = [worker.calls.get_sync()]
             except (anyio.EndOfStream, PeerDied):
                 return
-            while True:
-                run, reply = worker.start(message)
-                if run is not None:
-                    try:
-                        result = run()
-                        if inspect.isawaitable(result):
-                            close = getattr(result, "close", None)
-                            if close is not None:
-                                close()
-                            raise TypeError(
-                                f"{message[1]!r} is async: serve it with aioshmq.rpc.serve"
-                            )
-                    except Exception as exc:
-                        answer = worker.error(message[0], exc, reply, message[1])
-                    else:
-                        answer = (message[0], True, result) if reply else None
-                    if answer is not None:
-                        try:
-                            worker.replies.put_sync(answer)
-                        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-                            raise
-                        except Exception as exc:  # nothing was written
-                            worker.replies.put_sync(worker.unserializable(answer, exc))
+            while True:  # and every other call waiting now, like get_many
                 try:
-                    message = worker.calls.get_nowait()
-                except Empty:
+                    batch.append(worker.calls.get_nowait())
+                except (Empty, anyio.EndOfStream, PeerDied):  # the next get_sync says which
                     break
-                except anyio.EndOfStream:
-                    return
+            for step in worker.process(batch, awaits=False):
+                assert isinstance(step, list)
+                for reply in step:
+                    _send_sync(worker, reply)
     except PeerDied:
         return
     finally:
         worker.close()
+
+
+def _send_sync(worker: _Worker, reply: _Reply) -> None:
+    try:
+        worker.replies.put_sync(reply)
+    except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+        raise
+    except Exception as exc:  # nothing was written: say why instead
+        worker.replies.put_sync(worker.unserializable(reply[0], exc))

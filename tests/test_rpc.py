@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing
 import os
+import pickle
+import secrets
+import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -14,6 +19,7 @@ from conftest import Children, backend_name, run_backend
 
 import aioshmq
 from aioshmq import rpc
+from aioshmq._serialize import PickleSerializer
 
 pytestmark = pytest.mark.anyio
 
@@ -429,3 +435,193 @@ async def test_aclose_inside_the_block_does_not_cancel_the_caller(
                 await client.call("whoami")
     assert after == ["ran", "still running"]
     assert await _exit_codes(children) == [0]
+
+
+# -- replies that the client cannot load ---------------------------------------------------------
+
+FOREIGN_MODULE = """
+class Thing:
+    def __init__(self, n):
+        self.n = n
+
+
+class Oops(Exception):
+    pass
+"""
+
+
+def foreign(target: Target, path: str, module: str, what: str) -> Any:
+    """Run in a worker: import a module found only on that worker's sys.path, and return
+    one of its objects (or raise one of its exceptions): the client cannot load either."""
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    mod = importlib.import_module(module)
+    if what == "raise":
+        raise mod.Oops("from the worker")
+    return mod.Thing(7) if what == "return" else None
+
+
+class PicklePerMessage:
+    """A custom serializer (plain pickle): a batch of replies travels as one message each."""
+
+    def dumps(self, obj: Any) -> bytes:
+        return pickle.dumps(obj, protocol=5)
+
+    def loads(self, data: bytes) -> Any:
+        return pickle.loads(data)
+
+
+def _holding_worker(handle: rpc.RpcHandle, rank: int, backend: str, serializer: Any) -> None:
+    """A worker whose replies to a batch of calls all leave together, at the batch's end:
+    FLUSH_AFTER is raised so that none leaves early however slow this machine is."""
+    rpc.FLUSH_AFTER = TIMEOUT
+    target = Target(rank)
+    run_backend(backend, lambda: rpc.serve(handle, rank, target, serializer=serializer))
+
+
+@pytest.mark.parametrize("serializer", ["pickle", "custom"])
+async def test_a_reply_that_cannot_be_loaded_fails_only_its_own_call(
+    anyio_backend: object, children: Children, tmp_path: Path, serializer: str
+) -> None:
+    """With pickle a worker sends a batch's replies as one pickled list; a result or an
+    exception in it whose class the client cannot import fails its own call (RemoteError,
+    the load error as its cause), and every other call of the batch gets its result.  A
+    custom serializer sends one message per reply: the right call fails there too."""
+    module = f"only_in_workers_{secrets.token_hex(4)}"
+    (tmp_path / f"{module}.py").write_text(FOREIGN_MODULE)
+    path = str(tmp_path)
+    spec: Any = PicklePerMessage() if serializer == "custom" else "pickle"
+    type_name = (lambda name: f"{module}.{name}") if serializer == "pickle" else (lambda _: "?")
+    arr = np.arange(1 << 16, dtype=np.float64)
+    async with rpc.Client(2, serializer=spec) as client:
+        for rank in range(2):
+            await anyio.to_thread.run_sync(
+                children.start,
+                "spawn",
+                _holding_worker,
+                client.handle,
+                rank,
+                backend_name(anyio_backend),
+                spec,
+            )
+        with anyio.fail_after(TIMEOUT):
+            await client.wait_workers()
+            assert await client.call(foreign, path, module, "import") == [None, None]
+            with pytest.raises(ModuleNotFoundError):
+                importlib.import_module(module)  # the client really cannot load them
+
+            # One batch of calls (one event-loop turn), so one batch of replies per worker.
+            before = [
+                client.submit("echo", 1),
+                client.submit("echo", [2, "two"]),
+                client.submit("fail", "a plain error"),
+            ]
+            guilty = client.submit(foreign, path, module, "return")
+            after = [client.submit("echo", {"three": 3}), client.submit("scaled", arr, 2.0)]
+            with pytest.raises(rpc.RemoteError, match="could not be loaded") as info:
+                await guilty
+            assert info.value.type_name == type_name("Thing")
+            assert isinstance(info.value.__cause__, ModuleNotFoundError)
+            assert await before[0] == [1, 1]
+            assert await before[1] == [[2, "two"]] * 2
+            with pytest.raises(ValueError, match="a plain error"):
+                await before[2]
+            assert await after[0] == [{"three": 3}] * 2
+            assert all(np.array_equal(got, arr * 2) for got in await after[1])
+
+            # The same with an exception that the client cannot load.
+            first = client.submit("echo", "first")
+            guilty = client.submit(foreign, path, module, "raise")
+            last = client.submit("scaled", arr, 3.0)
+            with pytest.raises(rpc.RemoteError) as info:
+                await guilty
+            assert info.value.type_name == type_name("Oops")
+            assert isinstance(info.value.__cause__, ModuleNotFoundError)
+            if serializer == "pickle":
+                assert str(info.value) == "Oops: from the worker"
+                assert any('raise mod.Oops("from the worker")' in n for n in info.value.__notes__)
+            assert await first == ["first", "first"]
+            assert all(np.array_equal(got, arr * 3) for got in await last)
+            assert await client.call("whoami") == [0, 1]
+    assert await _exit_codes(children) == [0, 0]
+
+
+def test_a_boxed_reply_keeps_its_buffers_out_of_band() -> None:
+    """A reply's value pickled on its own still leaves its arrays out of band in the
+    batch's pickle (no copy into it), and loads back as itself."""
+    ser = PickleSerializer()
+    arr = np.arange(1 << 16, dtype=np.float64)
+    boxed = rpc._Boxed(*ser.dumps(arr), "numpy.ndarray", None)
+    main, buffers = ser.dumps_many([(1, True, boxed), (2, True, 3)])
+    assert len(buffers) == 1 and buffers[0].nbytes == arr.nbytes
+    assert len(main) < 1024
+    replies = ser.loads(memoryview(main), [bytearray(b) for b in buffers])
+    assert np.array_equal(replies[0][2], arr) and replies[1] == (2, True, 3)
+
+
+# -- a client opened in one task and closed in another, or never closed ----------------------
+
+
+class WhoAmI:
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def whoami(self) -> int:
+        return self.rank
+
+
+def _whoami_worker(handle: rpc.RpcHandle, rank: int, backend: str) -> None:
+    run_backend(backend, rpc.serve, handle, rank, WhoAmI(rank))
+
+
+async def _start_whoami(children: Children, client: rpc.Client, backend: str) -> None:
+    await anyio.to_thread.run_sync(
+        children.start, "spawn", _whoami_worker, client.handle, 0, backend
+    )
+    with anyio.fail_after(TIMEOUT):
+        await client.wait_workers()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("close", ["__aexit__", "aclose"])
+async def test_a_client_opened_in_one_task_closes_in_another(
+    anyio_backend: object, children: Children, close: str
+) -> None:
+    client = rpc.Client(1)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(client.__aenter__)  # that task ends here; the client lives on
+    await _start_whoami(children, client, backend_name(anyio_backend))
+    with anyio.fail_after(TIMEOUT):
+        assert await client.call("whoami") == [0]
+        pending = client.submit("whoami")
+        async with anyio.create_task_group() as tg:
+            if close == "aclose":
+                tg.start_soon(client.aclose)
+            else:
+                tg.start_soon(client.__aexit__, None, None, None)
+    with pytest.raises(anyio.ClosedResourceError):
+        await pending
+    with pytest.raises(anyio.ClosedResourceError):
+        client.submit("whoami")
+    assert "closed" in repr(client)
+    assert await anyio.to_thread.run_sync(children.join, TIMEOUT) == [0]  # serve() returned
+
+
+def test_a_client_left_open_is_closed_when_its_event_loop_ends(anyio_backend: Any) -> None:
+    """Nothing leaks when the loop ends first: the client's own task closes the rings (the
+    autouse fixture checks that no end is left open)."""
+    clients: list[rpc.Client] = []
+    calls: list[rpc.Call] = []
+
+    async def main() -> None:
+        client = rpc.Client(1)
+        clients.append(client)
+        await client.__aenter__()
+        calls.append(client.submit("whoami"))  # no worker ever answers it
+
+    name, options = anyio_backend if isinstance(anyio_backend, tuple) else (anyio_backend, {})
+    anyio.run(main, backend=name, backend_options=options)
+    assert "closed" in repr(clients[0])
+    assert calls[0].done()
+    with pytest.raises(anyio.ClosedResourceError):
+        anyio.run(calls[0].wait)
