@@ -273,6 +273,33 @@ class End:
         finally:
             self._waiting -= 1
 
+    async def _sleep_until(self, done: Callable[[], bool]) -> None:
+        """Sleep on the wait fd until ``done()``: every wake-up (the broker's, a reader's,
+        a close) makes it look again."""
+        while True:
+            self._drain()
+            if done():
+                return
+            token = self._hold(True)
+            try:
+                await self._sleep()
+            finally:
+                self._unhold(token)
+            self._check()
+
+    def _sleep_until_sync(self, done: Callable[[], bool], deadline: float | None) -> None:
+        """``_sleep_until`` for blocking calls; TimeoutError at ``deadline``."""
+        while True:
+            self._wake.drain()
+            if done():
+                return
+            token = self._hold(False)
+            try:
+                self._sleep_sync(deadline)
+            finally:
+                self._unhold(token)
+            self._check()
+
     def _on_readable(self) -> None:
         waiter = self._waiter
         if waiter is None or waiter.done():

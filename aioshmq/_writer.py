@@ -425,32 +425,13 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         if (cancelled := pending_checkpoint()) is not None:
             await cancelled()
         async with self._lock:
-            while True:
-                self._drain()
-                if self._all_attached():
-                    return
-                token = self._hold(True)
-                try:
-                    await self._sleep()
-                finally:
-                    self._unhold(token)
-                self._check()
+            await self._sleep_until(self._all_attached)
 
     def wait_readers_sync(self, timeout: float | None = None) -> None:
         """Blocking ``wait_readers``; TimeoutError after ``timeout`` s."""
         self._check()
         self._refuse_in_loop("wait_readers_sync", "writer.wait_readers()")
-        deadline = deadline_of(timeout)
-        while True:
-            self._wake.drain()
-            if self._all_attached():
-                return
-            token = self._hold(False)
-            try:
-                self._sleep_sync(deadline)
-            finally:
-                self._unhold(token)
-            self._check()
+        self._sleep_until_sync(self._all_attached, deadline_of(timeout))
 
     def drop_reader(self, index: int) -> None:
         """Stop keeping messages for slot ``index`` whose reader died or never came.
@@ -539,30 +520,17 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
             self.close(linger=0)
         await anyio.lowlevel.checkpoint()
 
+    def _delivered(self) -> bool:
+        return not self._undelivered()[1]
+
     def _linger_sync(self, seconds: float) -> None:
-        deadline = deadline_of(seconds)
-        while self._undelivered()[1]:
-            self._wake.drain()
-            if not self._undelivered()[1]:
-                return
-            token = self._hold(False)
-            try:
-                self._sleep_sync(deadline)
-            except TimeoutError:
-                return
-            finally:
-                self._unhold(token)
+        try:
+            self._sleep_until_sync(self._delivered, deadline_of(seconds))
+        except TimeoutError:
+            pass
 
     async def _linger_async(self) -> None:
-        while self._undelivered()[1]:
-            self._drain()
-            if not self._undelivered()[1]:
-                return
-            token = self._hold(True)
-            try:
-                await self._sleep()
-            finally:
-                self._unhold(token)
+        await self._sleep_until(self._delivered)
 
     def _warn_undelivered(self, slots: list[int], messages: int) -> None:
         if messages:
