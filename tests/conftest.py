@@ -1,15 +1,22 @@
-"""Shared fixtures: the three backends, start methods, and child-process helpers."""
+"""Shared fixtures: the three backends, start methods, child-process helpers, and timeouts
+that end a hung test on every backend."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
+import inspect
 import multiprocessing
 import os
-from collections.abc import Callable, Iterator, Mapping
+import sys
+import threading
+import time
+from collections.abc import Callable, Generator, Iterator, Mapping
 from typing import Any
 
 import pytest
+import pytest_timeout
 import uvloop
 
 BACKENDS = [
@@ -128,3 +135,102 @@ def _ring_fds() -> list[str]:
     with open("/proc/self/maps") as maps:
         found += [line.strip() for line in maps if "memfd:aioshmq" in line]
     return found
+
+
+# -- timeouts that hold on every backend -------------------------------------------------------
+#
+# pytest-timeout's SIGALRM raises in the main thread, and on asyncio that ends a hung test.  On
+# trio (which anyio's plugin runs as a guest of the main thread) and on uvloop it does not:
+# the exception leaves the loop, the test's task stays blocked, and the plugin waits for it
+# forever.  So an async anyio test also runs under a cancel scope whose deadline comes shortly
+# before its pytest timeout: the hung task is cancelled inside its own loop, on every backend,
+# and the test fails at once.  And if a test (a sync one, a fixture's teardown) still runs
+# BACKSTOP seconds after its pytest timeout, its stacks are dumped and the run ends (as
+# pytest-timeout's thread method does) rather than hang.
+
+BACKSTOP = 30.0
+_STARTED = pytest.StashKey[tuple[float, float]]()  # (monotonic start, pytest timeout)
+_BACKSTOP = pytest.StashKey[threading.Timer]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> None:
+    """Note when the test started and its timeout, and arm the backstop; pytest-timeout's own
+    implementation then arms its timer (this returns None, so the hook goes on to it)."""
+    item.stash[_STARTED] = (time.monotonic(), float(settings.timeout))
+    if settings.method == "thread":
+        return  # that already ends the run
+    timer = threading.Timer(settings.timeout + BACKSTOP, _end_the_run, (item, settings))
+    timer.name = f"backstop {item.nodeid}"
+    timer.daemon = True
+    item.stash[_BACKSTOP] = timer
+    timer.start()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_timeout_cancel_timer(item: pytest.Item) -> None:
+    timer = item.stash.get(_BACKSTOP, None)
+    if timer is not None:
+        timer.cancel()
+        timer.join()  # gone before the next test counts this process's threads
+
+
+def _end_the_run(item: pytest.Item, settings: Any) -> None:
+    print(
+        f"\n{item.nodeid} is still running {BACKSTOP:.0f} s after its {settings.timeout} s "
+        "pytest timeout, which could not interrupt it: dumping every thread's stack and "
+        "ending the run",
+        file=sys.stderr,
+        flush=True,
+    )
+    pytest_timeout.timeout_timer(item, settings)  # dumps the stacks, then os._exit(1)
+
+
+def _deadline_margin(timeout: float) -> float:
+    """How long before its pytest timeout a hung async test is cancelled: time left for the
+    fixtures' teardown (closing ends, killing children)."""
+    return min(10.0, timeout / 10)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> Generator[None, object, object]:
+    """Run an async anyio test under a cancel scope that expires before its pytest timeout."""
+    original = pyfuncitem.obj
+    started = pyfuncitem.stash.get(_STARTED, None)
+    if (
+        started is None
+        or started[1] <= 0
+        or "anyio_backend" not in pyfuncitem.funcargs
+        or not inspect.iscoroutinefunction(original)
+        or hasattr(original, "hypothesis")
+    ):
+        return (yield)
+    start, timeout = started
+    deadline = timeout - _deadline_margin(timeout) - (time.monotonic() - start)
+    pyfuncitem.obj = _with_deadline(original, deadline, timeout)
+    try:
+        return (yield)
+    finally:
+        pyfuncitem.obj = original
+
+
+def _with_deadline(test: Callable[..., Any], seconds: float, timeout: float) -> Callable[..., Any]:
+    import anyio
+
+    @functools.wraps(test)
+    async def run(**kwargs: Any) -> None:
+        hung: BaseException | None = None
+        with anyio.CancelScope(deadline=anyio.current_time() + seconds) as scope:
+            try:
+                await test(**kwargs)
+            except anyio.get_cancelled_exc_class() as exc:
+                if not scope.cancel_called:
+                    raise
+                hung = exc  # its traceback ends at the await that never returned
+        if hung is not None:
+            raise pytest.fail.Exception(
+                f"cancelled {seconds:.1f} s into its {timeout:.0f} s pytest timeout, still "
+                "waiting (the await that never returned is above)"
+            ) from hung
+
+    return run

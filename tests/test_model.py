@@ -259,9 +259,27 @@ def _portal_args(backend: Any) -> tuple[str, dict[str, Any]]:
     return backend, {}
 
 
-@pytest.mark.parametrize("backend", [p.values[0] for p in BACKENDS], ids=[p.id for p in BACKENDS])
-def test_model(backend: Any) -> None:
+def _run_model(backend: Any, examples: int) -> None:
     machine = type("Machine", (QueueModel,), {"backend": backend})
     runner = machine.TestCase
-    runner.settings = settings(max_examples=100, stateful_step_count=50, deadline=None)
+    runner.settings = settings(max_examples=examples, stateful_step_count=50, deadline=None)
     runner("runTest").runTest()
+
+
+BACKEND_PARAMS = pytest.mark.parametrize(
+    "backend", [p.values[0] for p in BACKENDS], ids=[p.id for p in BACKENDS]
+)
+
+
+@BACKEND_PARAMS
+def test_model(backend: Any) -> None:
+    """25 random programs of up to 50 steps on each backend; the slow tier runs 200."""
+    _run_model(backend, 25)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@BACKEND_PARAMS
+def test_model_long(backend: Any) -> None:
+    """200 random programs of up to 50 steps: about 10 s a backend on a quiet machine."""
+    _run_model(backend, 200)
