@@ -50,9 +50,19 @@ def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.timeout(TINY_TIMEOUT + 5)
-def test_bench_tiny_run_reports_every_scenario(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "only",
+    [
+        pytest.param(("small", "lag"), id="small-and-lag"),  # the plumbing, in seconds
+        pytest.param(SCENARIO_NAMES, id="every-scenario", marks=pytest.mark.slow),
+    ],
+)
+def test_bench_tiny_run_reports_every_scenario(tmp_path: Path, only: tuple[str, ...]) -> None:
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "aioshmq", "bench", "--quick", "--tiny", "--json", str(out)]
+    every = only == SCENARIO_NAMES
+    if not every:
+        cmd += ["--only", *only]
     if HAS_MATPLOTLIB:
         cmd += ["--plot", str(tmp_path / "bench.png")]
     proc = _run(cmd, timeout=TINY_TIMEOUT)
@@ -63,7 +73,8 @@ def test_bench_tiny_run_reports_every_scenario(tmp_path: Path) -> None:
     assert data["machine"]["cpu_count"] >= 1
     assert data["machine"]["python"] == sys.version.split()[0]
     results = data["results"]
-    for scenario in SCENARIO_NAMES:
+    assert {r["scenario"] for r in results} == set(only)
+    for scenario in only:
         mine = [r for r in results if r["scenario"] == scenario and r["peer"] == "aioshmq"]
         assert mine, f"no aioshmq result for {scenario}"
         for r in mine:
@@ -76,14 +87,17 @@ def test_bench_tiny_run_reports_every_scenario(tmp_path: Path) -> None:
         assert isinstance(r["value"], float) or absent, r
     # Every peer is either measured or said to be missing, and mp.Queue is always there.
     assert any(r["peer"] == "mp.Queue" and r["value"] is not None for r in results)
-    assert any(r["peer"] == "memcpy" and r["value"] is not None for r in results)
-    assert any(r["peer"] == "eventfd" and r["value"] is not None for r in results)
-    for scenario in SCENARIO_NAMES:
+    if "large" in only:
+        assert any(r["peer"] == "memcpy" and r["value"] is not None for r in results)
+    if "latency" in only:
+        assert any(r["peer"] == "eventfd" and r["value"] is not None for r in results)
+    for scenario in only:
         assert f"== {scenario}:" in proc.stdout
     assert "[small]" in proc.stderr and "mp.Queue" in proc.stderr
-    _check_rpc_figures(results)
     _check_measured_only(proc.stdout + proc.stderr + out.read_text(), results)
-    _check_vllm_rows(results)
+    if every:
+        _check_rpc_figures(results)
+        _check_vllm_rows(results)
     if HAS_MATPLOTLIB:
         assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -610,6 +610,19 @@ def _serve_then_stop(name: str, ready: Any, result: Any) -> None:
         result.put("ok")
 
 
+def _wait_until_stopped(pid: int) -> None:
+    """Until the kernel shows process ``pid`` stopped (a signal takes effect a moment later)."""
+    import time
+
+    deadline = time.monotonic() + 30
+    while True:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                return
+        assert time.monotonic() < deadline, f"process {pid} never stopped"
+        time.sleep(0.001)
+
+
 def test_connect_that_times_out_leaves_the_slot_as_it_was(children: Children) -> None:
     import multiprocessing
     import secrets
@@ -621,6 +634,7 @@ def test_connect_that_times_out_leaves_the_slot_as_it_was(children: Children) ->
     proc = children.start("spawn", _serve_then_stop, name, ready, result)
     assert ready.wait(60) and proc.pid is not None
     os.kill(proc.pid, signal.SIGSTOP)
+    _wait_until_stopped(proc.pid)
     try:
         with pytest.raises(TimeoutError):
             aioshmq.connect(name, timeout=0.5)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import threading
 from typing import Any
@@ -289,10 +290,11 @@ def test_capacity_beyond_memory_fails_cleanly() -> None:
 
 
 def test_name_taken() -> None:
-    with aioshmq.create(capacity=1 << 16, name="taken-name") as w:
-        with pytest.raises(FileExistsError, match="taken-name"):
-            aioshmq.create(capacity=1 << 16, name="taken-name")
-        assert w.name == "taken-name"
+    name = f"taken-name-{os.getpid()}"
+    with aioshmq.create(capacity=1 << 16, name=name) as w:
+        with pytest.raises(FileExistsError, match=name):
+            aioshmq.create(capacity=1 << 16, name=name)
+        assert w.name == name
 
 
 async def test_cancelled_multi_record_batch_publishes_nothing() -> None:
