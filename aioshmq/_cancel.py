@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
 import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -38,39 +39,15 @@ except ImportError:  # pragma: no cover - another anyio: the public function ser
     _states = None
 
 
-class _Last:
-    """The task looked up last and its anyio state: a put loop asks for the same one."""
+# The running loop this thread found last: asyncio's own lookup makes a getpid() system call
+# every time (to notice a fork), about a tenth of a put here.  A thread runs one loop at a
+# time, so while that loop has a current task in this thread, it is this thread's loop.
+_get_ident = threading.get_ident
+_seen: list[Any] = [0, None]  # [thread id, loop]
 
-    task: weakref.ref[Any] | None = None
-    state: Any = None
-
-
-def _asyncio_pending(loop: Any) -> Checkpoint | None:
-    task = _current_task(loop)
-    if task is None:  # not an asyncio task (trio in guest mode): let anyio decide
-        return checkpoint_if_cancelled
-    last = _Last.task
-    if last is not None and last() is task:
-        state = _Last.state
-    else:
-        state = _states.get(task)
-        if state is None:  # no anyio scope around this task (yet): nothing can cancel it
-            return None
-        _Last.task, _Last.state = weakref.ref(task), state
-    scope = state.cancel_scope
-    while scope is not None:
-        if scope._cancel_called:
-            return checkpoint
-        if scope._shield:
-            return None
-        scope = scope._parent_scope
-    return None
-
-
-class _Fast:
-    """Whether anyio's task state is usable here (it is read, never written)."""
-
-    on = _states is not None
+# The task looked up last, and its anyio state: a loop of puts asks about the same one.
+_last: list[Any] = [None, None]  # [weakref to the task, its TaskState]
+_fast = [_states is not None]  # whether anyio's task state is usable here (read, never written)
 
 
 def pending_checkpoint() -> Checkpoint | None:
@@ -78,16 +55,47 @@ def pending_checkpoint() -> Checkpoint | None:
 
     Never yields to the event loop unless the current task is cancelled.
     """
-    loop = _get_running_loop()
-    if loop is None:
-        trio = sys.modules.get("trio")
-        if trio is not None and trio.lowlevel.in_trio_run():
-            return trio.lowlevel.checkpoint_if_cancelled  # type: ignore[no-any-return]
-        return checkpoint_if_cancelled  # raises anyio's NoEventLoopError outside a loop
-    if not _Fast.on:
+    tid = _get_ident()
+    seen = _seen
+    task = None
+    if seen[0] == tid:
+        loop = seen[1]
+        task = _current_task(loop)
+        # A stdlib loop says which thread runs it (uvloop does not): not ours, ask again.
+        if task is not None and getattr(loop, "_thread_id", tid) != tid:
+            task = None
+    if task is None:  # not the loop this thread ran last: ask (that costs a getpid())
+        loop = _get_running_loop()
+        if loop is None:
+            seen[0] = 0
+            trio = sys.modules.get("trio")
+            if trio is not None and trio.lowlevel.in_trio_run():
+                return trio.lowlevel.checkpoint_if_cancelled  # type: ignore[no-any-return]
+            return checkpoint_if_cancelled  # raises anyio's NoEventLoopError outside a loop
+        seen[0], seen[1] = tid, loop
+        task = _current_task(loop)
+        if task is None:  # not an asyncio task (trio in guest mode): let anyio decide
+            return checkpoint_if_cancelled
+    if not _fast[0]:  # anyio's internals are not what this expects
         return checkpoint_if_cancelled
+    last = _last
+    ref = last[0]
+    if ref is not None and ref() is task:
+        state = last[1]
+    else:
+        state = _states.get(task)
+        if state is None:  # no anyio scope around this task (yet): nothing can cancel it
+            return None
+        last[0], last[1] = weakref.ref(task), state
     try:
-        return _asyncio_pending(loop)
+        scope = state.cancel_scope
+        while scope is not None:
+            if scope._cancel_called:
+                return checkpoint
+            if scope._shield:
+                return None
+            scope = scope._parent_scope
     except AttributeError:  # anyio's internals moved: its public function from now on
-        _Fast.on = False
+        _fast[0] = False
         return checkpoint_if_cancelled
+    return None

@@ -128,4 +128,4 @@ async def test_the_cheap_path_is_in_use_on_asyncio(anyio_backend: str) -> None:
         await w.put(1)
         assert await r.get() == 1
         assert _cancel.pending_checkpoint() is None
-    assert _cancel._Fast.on, "anyio's task state is not what aioshmq._cancel expects"
+    assert _cancel._fast[0], "anyio's task state is not what aioshmq._cancel expects"
