@@ -414,6 +414,10 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         try:
             for _ in steps:
                 self._wait_room_sync(deadline)
+        except ValueError:
+            if self._closed:  # closed by another thread while this one wrote the ring
+                raise self._closed_error() from None
+            raise
         finally:
             steps.close()
 
