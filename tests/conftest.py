@@ -9,10 +9,13 @@ import gc
 import inspect
 import multiprocessing
 import os
+import signal
+import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -238,3 +241,31 @@ def _with_deadline(test: Callable[..., Any], seconds: float, timeout: float) -> 
             ) from hung
 
     return run
+
+
+def run_in_session(
+    cmd: list[str], cwd: Path, timeout: float
+) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` with this checkout on its path, in a session of its own: on timeout the
+    test fails, and at the end anything it left running is killed with it."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    with subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            pytest.fail(f"{cmd} ran over {timeout} s\nstdout:\n{out}\nstderr:\n{err}")
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

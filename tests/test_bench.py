@@ -5,15 +5,13 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
-import os
-import signal
-import subprocess
 import sys
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import run_in_session
 
 from aioshmq._bench import _rpc
 from aioshmq._bench._peers import MP_QUEUE, VLLM, Peer, _AioshmqReceiver
@@ -26,27 +24,6 @@ HAS_ZMQ = importlib.util.find_spec("zmq") is not None
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 # Where vLLM is installed its readers import torch, seconds each: the tiny run takes minutes.
 TINY_TIMEOUT = 400 if HAS_VLLM else 55
-
-
-def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
-    """Run ``cmd`` in its own session; on timeout kill it with every child it started."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    with subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    ) as proc:
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-            pytest.fail(f"timed out after {timeout} s\nstdout:\n{out}\nstderr:\n{err}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 @pytest.mark.timeout(TINY_TIMEOUT + 5)
@@ -65,7 +42,7 @@ def test_bench_tiny_run_reports_every_scenario(tmp_path: Path, only: tuple[str, 
         cmd += ["--only", *only]
     if HAS_MATPLOTLIB:
         cmd += ["--plot", str(tmp_path / "bench.png")]
-    proc = _run(cmd, timeout=TINY_TIMEOUT)
+    proc = run_in_session(cmd, ROOT, TINY_TIMEOUT)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
 
     data = json.loads(out.read_text())
@@ -184,7 +161,7 @@ def test_a_peer_is_missing_where_it_is_not_installed_or_does_not_import() -> Non
 
 def test_bench_only_rejects_an_unknown_scenario() -> None:
     cmd = [sys.executable, "-m", "aioshmq", "bench", "--only", "nonsense"]
-    proc = _run(cmd, timeout=30)
+    proc = run_in_session(cmd, ROOT, 30)
     assert proc.returncode == 2
     assert "invalid choice" in proc.stderr
 

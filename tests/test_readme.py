@@ -30,15 +30,13 @@ from __future__ import annotations
 import ast
 import doctest
 import importlib.util
-import os
 import re
-import signal
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from conftest import run_in_session
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -165,33 +163,6 @@ def _imports(code: str) -> list[str]:
     return sorted(set(names))
 
 
-def _run(script: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
-    """Run ``script`` in its own session; on timeout kill it with every child it started."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the checkout under test, from any cwd
-    with subprocess.Popen(
-        [sys.executable, str(script)],
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    ) as proc:
-        try:
-            out, err = proc.communicate(timeout=TIMEOUT)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-            pytest.fail(
-                f"{script.name} did not finish within {TIMEOUT} s\nstdout:\n{out}\nstderr:\n{err}"
-            )
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # anything the snippet left running
-    except ProcessLookupError:
-        pass
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
 WARNING = re.compile(r"\b\w*Warning: ")  # as the warnings module prints them
 
 
@@ -206,7 +177,7 @@ def test_readme_snippet_runs_as_written(snippet: Snippet, tmp_path: Path) -> Non
     )
     script = tmp_path / f"snippet_line{snippet.code.line}.py"
     script.write_text(code, encoding="utf-8")
-    proc = _run(script, tmp_path)
+    proc = run_in_session([sys.executable, str(script)], tmp_path, TIMEOUT)
     shown = (
         f"the snippet at {snippet.where}\n{code}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     )

@@ -513,11 +513,9 @@ def _report(child: subprocess.CompletedProcess[str]) -> dict[str, Any]:
     return result
 
 
-@pytest.mark.timeout(120)
-def test_create_under_rlimit_as_is_memory_error() -> None:
-    """An address space too small for the mapping: MemoryError (from the ENOMEM), and the
-    memfd, reserved by then, is closed."""
-    capacity = 128 * MiB
+def _under_rlimit_as(call: str) -> dict[str, Any]:
+    """What ``call`` raised in a child whose address space has 32 MiB to spare, and the fds
+    and ring mappings it left there."""
     child = _python(
         _FDS
         + textwrap.dedent(f"""
@@ -525,7 +523,7 @@ def test_create_under_rlimit_as_is_memory_error() -> None:
     before = fds()
     limit_address_space(32 << 20)
     try:
-        aioshmq.create(capacity={capacity})
+        {call}
     except BaseException as exc:
         result = report(exc)
     else:
@@ -534,7 +532,15 @@ def test_create_under_rlimit_as_is_memory_error() -> None:
     print(json.dumps(result))
     """)
     )
-    result = _report(child)
+    return _report(child)
+
+
+@pytest.mark.timeout(120)
+def test_create_under_rlimit_as_is_memory_error() -> None:
+    """An address space too small for the mapping: MemoryError (from the ENOMEM), and the
+    memfd, reserved by then, is closed."""
+    capacity = 128 * MiB
+    result = _under_rlimit_as(f"aioshmq.create(capacity={capacity})")
     assert result["type"] == "MemoryError", result
     assert result["message"].startswith(
         f"cannot map the ring's {Layout(capacity, 1, 1).size} bytes of shared memory"
@@ -550,23 +556,7 @@ def test_attach_under_rlimit_as_is_memory_error() -> None:
     behind, and the writer goes on serving other readers."""
     with aioshmq.create(capacity=128 * MiB) as w:
         size = os.stat(_memfd_fd(os.getpid(), w.name)).st_size
-        child = _python(
-            _FDS
-            + textwrap.dedent(f"""
-        import json, os, resource, aioshmq
-        before = fds()
-        limit_address_space(32 << 20)
-        try:
-            aioshmq.connect({w.name!r})
-        except BaseException as exc:
-            result = report(exc)
-        else:
-            result = {{"type": None}}
-        result["left"] = sorted(fds() - before) + ring_mapped()
-        print(json.dumps(result))
-        """)
-        )
-        result = _report(child)
+        result = _under_rlimit_as(f"aioshmq.connect({w.name!r})")
         assert result["type"] == "MemoryError", result
         assert result["message"].startswith(
             f"cannot map the ring's {size} bytes of shared memory"
