@@ -341,11 +341,7 @@ class ZmqChannel(Channel):
         return _ZmqReceiver(_ZmqEnd("PULL", f"ipc://{self.path}", self.depth, False), self.arrays)
 
     def close(self) -> None:
-        if os.getpid() == self.owner:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+        _remove_own(self.owner, self.path)
 
 
 # -- a bare eventfd --------------------------------------------------------------------------
@@ -495,11 +491,16 @@ class VllmChannel(Channel):
             return _VllmReceiver(message_queue.create_from_handle(handle, index))
 
     def close(self) -> None:
-        if os.getpid() == self.owner:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+        _remove_own(self.owner, self.path)
+
+
+def _remove_own(owner: int, path: str) -> None:
+    """Remove ``path`` if this process made it (not in a child that inherited the channel)."""
+    if os.getpid() == owner:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 # -- the roster ------------------------------------------------------------------------------
