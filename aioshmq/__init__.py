@@ -10,8 +10,9 @@ from ._errors import (
     UndeliveredWarning,
 )
 from ._handle import Handle
-from ._reader import Lease, Reader, ReaderStatistics, connect
-from ._writer import Writer, WriterStatistics, create
+from ._open import connect, create
+from ._reader import Lease, Reader, ReaderStatistics
+from ._writer import Writer, WriterStatistics
 
 __all__ = [
     "CorruptedError",

@@ -75,7 +75,7 @@ def fds_for(kind: NotifierKind) -> int:
 class _Conn:
     """One reader connection: granted a slot on request, holding it once it confirms."""
 
-    __slots__ = ("attached", "bye", "index", "pid", "pidfd", "prior", "sock", "uid")
+    __slots__ = ("attached", "bye", "index", "peer", "pid", "pidfd", "prior", "sock", "uid")
 
     def __init__(self, sock: socket.socket, pid: int, uid: int) -> None:
         self.sock = sock
@@ -86,6 +86,7 @@ class _Conn:
         self.prior: tuple[int, int] = (0, 0)  # the slot's state and dead pid before the attach
         self.pidfd = -1
         self.bye = False
+        self.peer = ""  # who really reads, where the attaching process relays a remote reader
 
     def close(self) -> None:
         self.sock.close()
@@ -134,6 +135,7 @@ class Broker:
         self.accept_errors = 0  # accepts that met a shortage of fds (and were retried)
         self._uid = os.getuid()
         self._dead_pids: dict[int, int] = {}
+        self._dead_peers: dict[int, str] = {}
         self._conns: set[_Conn] = set()
         self._resume_accept: float | None = None
         self._stop_r = self._stop_w = -1
@@ -263,7 +265,7 @@ class Broker:
                     f"user uid {conn.uid} may not attach to ring {self.name!r}: it belongs to "
                     f"uid {self._uid}, and only the same user or root may attach",
                 )
-            index = _parse_request(data, self.ring.layout.readers)
+            index, conn.peer = _parse_request(data, self.ring.layout.readers)
             holder = next((c for c in self._conns if c.index == index), None)
             if holder is not None and self._settle_queued(sel, holder):
                 holder = None
@@ -357,6 +359,7 @@ class Broker:
             self.ring.detach(index)
         else:
             self._dead_pids[index] = conn.pid
+            self._dead_peers[index] = conn.peer
             self.ring.detach(index, DEAD)
         if conn.bye:
             try:
@@ -401,6 +404,10 @@ class Broker:
         """The pid of the process that held slot ``index`` when it died."""
         return self._dead_pids.get(index, 0)
 
+    def dead_peer(self, index: int) -> str:
+        """Who held slot ``index`` when it died: "pid N", or the remote reader it relayed."""
+        return self._dead_peers.get(index) or f"pid {self.dead_pid(index)}"
+
     def stop(self) -> None:
         """Stop serving and drop every reader connection (they see end-of-file)."""
         if self._stop_w < 0:
@@ -427,20 +434,22 @@ class Broker:
             self._stop_r = self._stop_w = -1
 
 
-def _parse_request(data: bytes, readers: int) -> int:
-    """The slot an attach request asks for; _Refused if it is malformed or out of range."""
+def _parse_request(data: bytes, readers: int) -> tuple[int, str]:
+    """The slot an attach request asks for, and the remote peer it relays ("" if none);
+    _Refused if it is malformed or out of range."""
     try:
         request = json.loads(data)
         index = request["reader"]
+        peer = request.get("peer", "")
     except Exception:  # not JSON (nested too deep, say), not an object, no "reader"
         raise _Refused("request", f"malformed attach request {data[:100]!r}") from None
-    if isinstance(index, bool) or not isinstance(index, int):
+    if isinstance(index, bool) or not isinstance(index, int) or not isinstance(peer, str):
         raise _Refused("request", f"malformed attach request {data[:100]!r}")
     if not 0 <= index < readers:
         raise _Refused(
             "range", f"reader={index} is out of range: this ring has readers 0..{readers - 1}"
         )
-    return index
+    return index, peer[:200]
 
 
 @dataclass
@@ -473,7 +482,11 @@ def _remaining(deadline: float | None) -> float | None:
 
 
 def request(
-    name: str, index: int, deadline: float | None, trusted_uids: Iterable[int] = ()
+    name: str,
+    index: int,
+    deadline: float | None,
+    trusted_uids: Iterable[int] = (),
+    peer: str = "",
 ) -> Attachment:
     """Ask for slot ``index`` of the ring named ``name``; raises a clear error if refused.
 
@@ -506,7 +519,8 @@ def request(
             )
         try:
             try:
-                sock.send(json.dumps({"reader": index, "pid": os.getpid()}).encode())
+                ask = {"reader": index, "pid": os.getpid(), **({"peer": peer} if peer else {})}
+                sock.send(json.dumps(ask).encode())
             except (ConnectionResetError, BrokenPipeError):
                 pass  # the writer closed: the next read says so
             msg, fds, flags, _addr = socket.recv_fds(sock, 4096, 4, socket.MSG_CMSG_CLOEXEC)

@@ -7,7 +7,7 @@ import os
 import select
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Generic, NamedTuple, TypeVar
 
 import anyio
@@ -78,8 +78,21 @@ def connect(
     trusted = frozenset(trusted_uids)
     if any(isinstance(uid, bool) or not isinstance(uid, int) for uid in trusted):
         raise TypeError(f"trusted_uids must hold ints, not {sorted(map(repr, trusted))}")
+    return _connect(name, reader, serializer, timeout, float(spin), trusted)
+
+
+def _connect(
+    name: str,
+    reader: int,
+    serializer: SerializerSpec | None,
+    timeout: float | None,
+    spin: float,
+    trusted: frozenset[int] = frozenset(),
+    peer: str = "",
+) -> Reader[Any]:
+    """``connect`` after its checks; ``peer`` names the remote reader this one relays."""
     ser = resolve(serializer) if serializer is not None else None
-    att = request(name, reader, deadline_of(timeout), trusted)
+    att = request(name, reader, deadline_of(timeout), trusted, peer)
     try:
         if ser is None:
             if att.serializer == "custom":
@@ -91,7 +104,7 @@ def connect(
     except BaseException:
         att.close()
         raise
-    return Reader(name, reader, att, ser, float(spin))
+    return Reader(name, reader, att, ser, spin)
 
 
 class Lease(Generic[T]):
@@ -139,6 +152,8 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         self._pending: collections.deque[Any] = collections.deque()  # the rest of a batch
         self._pidfd = -1
         self._epoll: select.epoll | None = None
+        self._bye = True  # say goodbye on close; a relay whose remote reader died does not
+        self._tied: Callable[[], None] | None = None  # closed after this reader (a remote link)
         seg_fd, att.segment_fd = att.segment_fd, -1
         att.fds.remove(seg_fd)
         try:
@@ -170,6 +185,10 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
             raise
         att.fds = []  # this reader owns them now
         self._closed = False
+
+    def _source_note(self) -> str:
+        """Why the stream was cut off, as far as this process knows."""
+        return f"the process that writes it, pid {self._writer_pid}, lost its own source"
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
@@ -203,6 +222,14 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
             if ring.tail != ring.shown_tail:
                 ring.publish()  # fragments were read: let the writer reuse their room
             if ring.closed():
+                if ring.broken():
+                    raise PeerDied(
+                        f"the stream of ring {self._name!r} was cut off at its source "
+                        f"({self._source_note()}): every message that fully arrived was "
+                        "delivered",
+                        role="writer",
+                        pid=self._writer_pid,
+                    )
                 raise anyio.EndOfStream
             return _EMPTY
         payload, kind, size = msg
@@ -454,8 +481,13 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         except OSError:
             pass
 
+    def _close_as_dead(self) -> None:
+        """Close without a goodbye: the writer then treats this slot's reader as dead."""
+        self._bye = False
+        self.close()
+
     def _release(self, *, clean: bool) -> None:
-        if clean:
+        if clean and self._bye:
             self._say_bye()
         self._sock.close()
         if self._epoll is not None:
@@ -465,6 +497,8 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         for fd in {*self._wake.fds(), *self._writer_wake.fds()}:
             os.close(fd)
         self._seg.close()
+        if self._tied is not None and clean:
+            self._tied()
 
 
 __all__ = ["Lease", "Reader", "ReaderStatistics", "connect"]

@@ -309,14 +309,15 @@ class RingWriter:
                 self.wake[i].signal()
                 self.wakeups += 1
 
-    def close(self) -> None:
+    def close(self, broken: bool = False) -> None:
         """Mark the stream ended after what was published, and wake every sleeper.
 
         Records written but not published belong to a put that is still waiting (an atomic
-        batch): they are dropped, as that put now fails.
+        batch): they are dropped, as that put now fails.  ``broken`` says the stream did
+        not end but was cut off upstream (readers get PeerDied after the last message).
         """
         self.rollback(self.head, self.head_count)
-        self.w[self.layout.writer_word(L.W_CLOSED)] = 1
+        self.w[self.layout.writer_word(L.W_CLOSED)] = L.CLOSED_BROKEN if broken else L.CLOSED_END
         fence()
         self._wake_readers()
 
@@ -387,6 +388,39 @@ class RingWriter:
                 raise busy(f"reader slot {index} is held by a live reader: it cannot be dropped")
             self.gate.states[index] = DETACHED
             self.w[self.r_sleep[index]] = 0
+
+    def write_records(self, run: memoryview, records: Sequence[tuple[int, int, int]]) -> int:
+        """Copy whole records (header and payload, as another ring of the same capacity
+        laid them out) from ``run`` and publish them; returns how many fitted now.
+
+        ``records`` holds each record's (offset in ``run``, ring bytes, messages it ends),
+        in order and back to back.  Records that land side by side are copied at once.
+        """
+        done = 0
+        cap, data = self.cap, self.data
+        src = dst = length = 0  # the pending copy
+        for start, size, messages in records:
+            pos = self.pos
+            off = pos % cap
+            span = cap - off + size if off + size > cap else size
+            if (pos + span > self.limit_pos or self.count + messages > self.limit_count) and not (
+                self._room(span, messages)
+            ):
+                self.need = (span, messages)
+                break
+            if span != size or not length:
+                if length:
+                    data[dst : dst + length] = run[src : src + length]
+                off = self._place(size)
+                src, dst, length = start, off, 0
+            length += size
+            self.pos += size
+            self.count += messages
+            done += 1
+        if length:
+            data[dst : dst + length] = run[src : src + length]
+        self.publish()
+        return done
 
     def backlog(self) -> tuple[int, int]:
         """Messages and bytes published but not yet read by the slowest counted reader."""
@@ -557,6 +591,66 @@ class RingReader:
                 f"message of {self.partial_total} bytes ended after {self.partial_len}"
             )
         return memoryview(partial)
+
+    def next_run(self, limit: int) -> tuple[int, int, memoryview] | None:
+        """Raw records after the tail that lie back to back in the ring (a PAD or the end of
+        the ring ends a run), about ``limit`` bytes of them (one at least): the position
+        they follow (before any PAD skipped), the count there, and their bytes.  The tail
+        moves past them; the published tail does not (see ``release_to``).  None if
+        nothing is published past the tail."""
+        cap, q = self.cap, self.q
+        skipped = self.tail
+        while True:
+            if self.tail == self.head and not self.available():
+                return None
+            off = self.tail % cap
+            word = q[off >> 3]
+            if word & L.KIND_MASK != L.PAD:
+                break
+            if off + L.HEADER_SIZE + (word >> 8) != cap:
+                raise CorruptedError(f"padding at position {self.tail} stops short of the end")
+            self.tail += cap - off
+        start, start_count, first = self.tail, self.count, off
+        while self.tail != self.head and (self.tail == start or self.tail - start < limit):
+            off = self.tail % cap
+            if off == 0 and self.tail != start:
+                break  # the ring's end: the next record is not contiguous with this run
+            word = q[off >> 3]
+            kind, length = word & 0xFF, word >> 8
+            end = off + L.HEADER_SIZE + length
+            if end > cap or self.tail + end - off > self.head:
+                raise CorruptedError(
+                    f"record at position {self.tail} (kind {kind}) claims {length} bytes, "
+                    f"past the {'end of the ring' if end > cap else 'head ' + str(self.head)}"
+                )
+            base = kind & L.KIND_MASK
+            if base == L.PAD:
+                break
+            if base == L.MSG:
+                n = q[(off >> 3) + 1] if kind & L.BATCH else 1
+                if not 1 <= n <= self.layout.max_messages:
+                    raise CorruptedError(f"batch at position {self.tail} claims {n} messages")
+                self.count += n
+            elif base == L.LAST:
+                self.count += 1
+            elif base not in (L.FIRST, L.MIDDLE):
+                raise CorruptedError(f"unknown record kind {kind} at position {self.tail}")
+            self.tail += record_size(length)
+        return skipped, start_count, self.data[first : first + self.tail - start]
+
+    def rewind(self, pos: int, count: int) -> None:
+        """Read again from (pos, count), a record boundary not yet released."""
+        self.tail, self.count = pos, count
+        self.partial, self.skipping = None, False
+
+    def release_to(self, pos: int, count: int) -> None:
+        """Publish (pos, count) as this reader's tail: the writer may reuse what lies before."""
+        self.pins[:] = [(pos, count)]
+        self.publish()
+
+    def broken(self) -> bool:
+        """True if the writer marked the stream cut off upstream rather than ended."""
+        return self.w[self.w_closed] == L.CLOSED_BROKEN
 
     def take_plain(self) -> memoryview | None:
         """The next record's payload if it is one whole message without buffers: the hot

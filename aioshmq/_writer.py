@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import time
@@ -11,6 +12,7 @@ from collections.abc import Callable, Generator, Iterable
 from typing import Any, Generic, Literal, NamedTuple, TypeVar
 
 import anyio
+from anyio import to_thread
 from anyio.abc import ObjectSendStream
 
 from . import _layout as L
@@ -125,6 +127,8 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         super().__init__()
         self._closed = True  # until everything below exists
         self._halt = True  # closed, or its broker stopped: the hot paths check this alone
+        self._relay: Any = None  # serves remote readers (aioshmq.remote), if listening
+        self._broken = False  # close as cut off at the source, not as ended
         self._linger = linger
         self._quiet = False
         self._layout = layout
@@ -192,6 +196,11 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
     def handle(self) -> Handle:
         return Handle(self._name)
 
+    @property
+    def address(self) -> str | None:
+        """The endpoint remote readers connect to (its real port), or None if not listening."""
+        return None if self._relay is None else str(self._relay.address)
+
     # -- putting ---------------------------------------------------------------------------
 
     def _frame(self, obj: object) -> Frame:
@@ -257,7 +266,8 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
             if state == DEAD:
                 pid = self._broker.dead_pid(i)
                 raise PeerDied(
-                    f"reader {i} (pid {pid}) of ring {self._name!r} died while attached",
+                    f"reader {i} ({self._broker.dead_peer(i)}) of ring {self._name!r} died "
+                    "while attached",
                     role="reader",
                     pid=pid,
                     index=i,
@@ -521,6 +531,9 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
                         except Exception:  # a closed end, a dead reader: close now
                             pass
         finally:
+            if self._relay is not None and not self._closed:
+                # Remote readers get the rest first: that takes network time, off the loop.
+                await to_thread.run_sync(functools.partial(self.close, linger=0))
             self.close(linger=0)
         await anyio.lowlevel.checkpoint()
 
@@ -552,9 +565,13 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
 
     def _release(self, *, clean: bool) -> None:
         if clean:
-            self._ring.close()
+            self._ring.close(broken=self._broken)
+            if self._relay is not None:
+                self._relay.finish()
             self._broker.stop()
         else:
+            if self._relay is not None:
+                self._relay.abandon()
             self._broker.abandon()
         self._free()
 

@@ -1,0 +1,139 @@
+"""``create`` and ``connect`` as users call them: local rings, and remote ones if asked."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from . import _reader, _writer
+from ._handle import Handle
+from ._notify import NotifierKind
+from ._reader import DEFAULT_SPIN, Reader
+from ._serialize import SerializerSpec
+from ._writer import OnReaderDeath, Writer
+
+REMOTE = ("tcp://", "ipc://")
+DEFAULT_HEARTBEAT = 3.0
+
+
+def create(
+    capacity: int = 16 << 20,
+    max_messages: int = 1 << 16,
+    readers: int = 1,
+    *,
+    serializer: SerializerSpec = "pickle",
+    notifier: NotifierKind | None = None,
+    name: str | None = None,
+    on_reader_death: OnReaderDeath = "raise",
+    linger: float = 0.0,
+    listen: str | None = None,
+    secret: bytes | None = None,
+    insecure_loopback: bool = False,
+    heartbeat: float = DEFAULT_HEARTBEAT,
+) -> Writer[Any]:
+    """Create a ring and return its writer, which owns it.
+
+    ``capacity`` (bytes, rounded up to a multiple of 64) and ``max_messages`` both bound what
+    the ring holds for its slowest reader.  ``readers`` is the number of reader slots.
+    ``linger`` is how long (seconds) closing the writer waits for readers to attach to
+    slots that never had one while messages wait for them (see ``Writer.close``).
+
+    With ``listen`` (``"tcp://HOST:PORT"``, port 0 for any, or ``"ipc://PATH"``) any slot
+    may also be attached from another host: ``writer.address`` is the endpoint bound.
+    Remote readers must hold ``secret`` (CurveZMQ: authenticated and encrypted);
+    ``insecure_loopback=True`` instead allows plain traffic on loopback or ipc only.  A
+    remote reader not heard from for ``heartbeat`` seconds is a dead reader.
+    """
+    relay = _remote_server_args(listen, secret, insecure_loopback, heartbeat)
+    writer = _writer.create(
+        capacity,
+        max_messages,
+        readers,
+        serializer=serializer,
+        notifier=notifier,
+        name=name,
+        on_reader_death=on_reader_death,
+        linger=linger,
+    )
+    if relay is not None:
+        from .remote._server import Server
+
+        try:
+            writer._relay = Server(
+                writer.name, writer._layout, writer._ser.name, *relay
+            )
+        except BaseException:
+            writer.close()
+            raise
+    return writer
+
+
+def _remote_server_args(
+    listen: str | None, secret: bytes | None, insecure_loopback: bool, heartbeat: float
+) -> tuple[str, Any, float] | None:
+    if listen is None:
+        if secret is not None or insecure_loopback:
+            raise ValueError("secret= and insecure_loopback= go with listen=")
+        return None
+    from .remote._auth import check_address, check_security
+    from .remote._mirror import check_heartbeat
+
+    check_address(listen, "listen")
+    keys = check_security(listen, secret, insecure_loopback)
+    return listen, keys, check_heartbeat(heartbeat)
+
+
+def connect(
+    handle: Handle | str,
+    reader: int = 0,
+    *,
+    serializer: SerializerSpec | None = None,
+    timeout: float | None = 10.0,
+    spin: float = DEFAULT_SPIN,
+    trusted_uids: Iterable[int] = (),
+    secret: bytes | None = None,
+    insecure_loopback: bool = False,
+    heartbeat: float = DEFAULT_HEARTBEAT,
+) -> Reader[Any]:
+    """Attach to reader slot ``reader`` of a ring, by its handle or its name, or of a
+    remote writer by its address (``"tcp://HOST:PORT"`` or ``"ipc://PATH"``).
+
+    ``serializer`` defaults to the writer's (it must be given when the writer uses a custom
+    one).  ``timeout`` bounds the wait for the writer to answer.  ``spin`` is how long (in
+    seconds) an async get keeps yielding to the event loop and looking at the ring before
+    it goes to sleep: a message that arrives meanwhile needs no wake-up.  0 sleeps at once.
+    A ring served by a process of another user is refused (its messages could run code in
+    this process) unless that user's uid is in ``trusted_uids``.  A connect that fails
+    leaves the slot exactly as it was.
+
+    A remote writer is reached with the ``secret`` it was created with (or
+    ``insecure_loopback=True`` if it was); one not heard from for ``heartbeat`` seconds is
+    a dead writer (PeerDied after every message that fully arrived).
+    """
+    if isinstance(handle, str) and handle.startswith(REMOTE):
+        if not isinstance(spin, int | float) or isinstance(spin, bool) or not 0 <= spin <= 1:
+            raise ValueError(f"spin must be a number of seconds from 0 to 1, not {spin!r}")
+        if trusted_uids:
+            raise ValueError("trusted_uids= is for local rings; a remote writer needs secret=")
+        from .remote._mirror import connect_remote
+
+        return connect_remote(
+            handle,
+            reader,
+            secret=secret,
+            insecure_loopback=insecure_loopback,
+            heartbeat=heartbeat,
+            timeout=timeout,
+            serializer=serializer,
+            spin=float(spin),
+        )
+    if secret is not None or insecure_loopback:
+        raise ValueError("secret= and insecure_loopback= are for remote addresses (tcp://, ipc://)")
+    return _reader.connect(
+        handle,
+        reader,
+        serializer=serializer,
+        timeout=timeout,
+        spin=spin,
+        trusted_uids=trusted_uids,
+    )

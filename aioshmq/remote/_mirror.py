@@ -1,0 +1,217 @@
+"""A mirror: one remote reader slot republished into a local ring, for many local readers."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+from typing import Any
+
+from .. import _reader, _writer
+from .._errors import PeerDied
+from .._handle import Handle
+from .._notify import NotifierKind
+from .._reader import Reader
+from .._serialize import SerializerSpec, resolve
+from .._writer import OnReaderDeath, Writer
+from ._auth import check_address, check_security
+from ._link import Link
+
+DEFAULT_HEARTBEAT = 3.0
+
+
+def check_heartbeat(heartbeat: object) -> float:
+    if isinstance(heartbeat, bool) or not isinstance(heartbeat, int | float):
+        raise TypeError(f"heartbeat must be a number of seconds, not {heartbeat!r}")
+    if not 0.05 <= heartbeat <= 3600:
+        raise ValueError(f"heartbeat must be from 0.05 to 3600 seconds, not {heartbeat!r}")
+    return float(heartbeat)
+
+
+class Mirror:
+    """Holds reader slot ``reader`` of a remote writer and republishes its stream into a
+    local ring named ``name`` with ``readers`` slots: local readers attach by name as
+    usual, and the bytes cross the network once for all of them.
+
+    The local ring has the remote ring's capacity and message bound.  ``run()`` carries
+    the stream until it ends (the local readers then get EndOfStream) or is cut off (they
+    get every message that fully arrived, then PeerDied, and ``run()`` raises PeerDied).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        reader: int = 0,
+        *,
+        readers: int = 1,
+        name: str | None = None,
+        secret: bytes | None = None,
+        insecure_loopback: bool = False,
+        heartbeat: float = DEFAULT_HEARTBEAT,
+        timeout: float | None = 10.0,
+        serializer: SerializerSpec | None = None,
+        notifier: NotifierKind | None = None,
+        on_reader_death: OnReaderDeath = "raise",
+        linger: float = 0.0,
+    ) -> None:
+        self._stop_r = self._stop_w = -1
+        self._link: Link | None = None
+        self._writer: Writer[Any] | None = None
+        check_address(address, "address")
+        if isinstance(reader, bool) or not isinstance(reader, int):
+            raise TypeError(f"reader must be an int, not {type(reader).__name__}")
+        if reader < 0:
+            raise ValueError(f"reader={reader} is out of range: slots are numbered from 0")
+        keys = check_security(address, secret, insecure_loopback)
+        beat = check_heartbeat(heartbeat)
+        ser = resolve(serializer) if serializer is not None else None
+        self._link = Link(address, reader, keys, beat, timeout)
+        try:
+            w = self._link.welcome
+            if ser is None:
+                if w["serializer"] == "custom":
+                    raise ValueError(
+                        f"the writer at {address} uses a custom serializer: pass the same "
+                        "one as serializer=..."
+                    )
+                ser = resolve(w["serializer"])
+            self._writer = _writer.create(
+                w["capacity"],
+                w["max_messages"],
+                readers,
+                serializer=ser,
+                notifier=notifier,
+                name=name,
+                on_reader_death=on_reader_death,
+                linger=linger,
+            )
+            self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        except BaseException:
+            self.close()
+            raise
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._running = False
+
+    @property
+    def name(self) -> str:
+        """The local ring's name: ``aioshmq.connect(name, reader=i)`` on this host."""
+        assert self._writer is not None
+        return self._writer.name
+
+    @property
+    def handle(self) -> Handle:
+        return Handle(self.name)
+
+    @property
+    def writer(self) -> Writer[Any]:
+        """The local ring's writer (owned by the mirror: do not put to it)."""
+        assert self._writer is not None
+        return self._writer
+
+    def run(self) -> None:
+        """Carry the stream until it ends, the mirror is closed, or it is cut off (PeerDied,
+        after the local readers had every message that fully arrived)."""
+        link, writer = self._link, self._writer
+        if link is None or writer is None:
+            raise RuntimeError("this mirror is closed")
+        with self._lock:
+            if self._running:
+                raise RuntimeError("this mirror is already running")
+            self._running = True
+        try:
+            try:
+                why = link.run(writer, self._stop_r)
+            except BaseException as exc:  # a local reader died, say: the chain is broken
+                link.reason = f"the mirror stopped: {exc!r}"
+                writer._broken = True
+                writer.close(linger=0)
+                raise
+            if why == "stopped":
+                link.say_bye()
+            elif why is None:
+                writer.close()
+            else:
+                link.reason = why
+                writer._broken = True
+                writer.close(linger=0)
+                raise PeerDied(
+                    f"the stream from {link.address} was cut off: {why}",
+                    role="writer",
+                    pid=link.writer_pid,
+                )
+        finally:
+            self._done.set()
+
+    def close(self) -> None:
+        """Stop (from any thread), give the remote slot up and close the local ring."""
+        if self._stop_w >= 0:
+            os.write(self._stop_w, b"x")
+            if self._running:
+                self._done.wait()
+        if self._writer is not None:
+            self._writer.close(linger=0)
+        if self._link is not None:
+            self._link.close()
+        for fd in (self._stop_r, self._stop_w):
+            if fd >= 0:
+                os.close(fd)
+        self._stop_r = self._stop_w = -1
+
+    def __enter__(self) -> Mirror:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def reason(self) -> str:
+        return "" if self._link is None else self._link.reason
+
+
+def mirror(address: str, reader: int = 0, **options: Any) -> None:
+    """Run a ``Mirror`` until the stream ends (see ``Mirror`` for the options)."""
+    with Mirror(address, reader, **options) as m:
+        m.run()
+
+
+def connect_remote(
+    address: str,
+    reader: int,
+    *,
+    secret: bytes | None,
+    insecure_loopback: bool,
+    heartbeat: float,
+    timeout: float | None,
+    serializer: SerializerSpec | None,
+    spin: float,
+) -> Reader[Any]:
+    """A reader of a remote writer: a private one-slot mirror in a thread of this process,
+    and a local reader of it (so every Reader call behaves exactly as for a local ring)."""
+    m = Mirror(
+        address,
+        reader,
+        name=f"{os.getpid()}-remote-{secrets.token_hex(6)}",
+        secret=secret,
+        insecure_loopback=insecure_loopback,
+        heartbeat=heartbeat,
+        timeout=timeout,
+        serializer=serializer,
+    )
+    try:
+        local = _reader._connect(m.name, 0, m.writer._ser, timeout, spin)
+    except BaseException:
+        m.close()
+        raise
+    thread = threading.Thread(target=_run_quietly, args=(m,), name=f"aioshmq-link-{m.name}")
+    thread.daemon = True
+    thread.start()
+    local._tied = m.close
+    local._source_note = m.reason  # type: ignore[method-assign]
+    return local
+
+
+def _run_quietly(m: Mirror) -> None:
+    try:
+        m.run()
+    except Exception:  # the local reader reports it (PeerDied after the last message)
+        pass
