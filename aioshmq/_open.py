@@ -1,4 +1,4 @@
-"""``create`` and ``connect`` as users call them: local rings, and remote ones if asked."""
+"""What users call: ``create`` and ``connect``, for local rings and remote ones alike."""
 
 from __future__ import annotations
 

@@ -66,7 +66,8 @@ class Server:
         self.keys = keys
         self.heartbeat = heartbeat
         self.failure: BaseException | None = None
-        self.refused = 0  # handshakes refused (wrong secret) and requests refused
+        self.refused = 0  # handshakes refused (a wrong client key) and requests refused
+        self.requests = 0  # messages received from remote readers that passed the handshake
         self._remotes: dict[bytes, _Remote] = {}
         self._finishing = False
         self._abandoned = False
@@ -203,6 +204,7 @@ class Server:
                 frames = self._router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            self.requests += 1
             if len(frames) != 2 or not frames[1]:
                 continue
             rid, body = frames
