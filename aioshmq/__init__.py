@@ -1,6 +1,6 @@
 """aioshmq: one writer broadcasts Python objects to N reader processes through shared memory."""
 
-from . import rpc
+from . import remote, rpc
 from ._errors import (
     CorruptedError,
     Empty,
@@ -29,6 +29,7 @@ __all__ = [
     "WriterStatistics",
     "connect",
     "create",
+    "remote",
     "rpc",
 ]
 __version__ = "0.1.0"

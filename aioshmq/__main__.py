@@ -38,7 +38,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="SCENARIO",
         help=f"run only these scenarios: {', '.join(SCENARIO_NAMES)}",
     )
+    from .remote._command import add_parser as add_mirror
+
+    add_mirror(commands)
     args = parser.parse_args(argv)
+    if args.command == "mirror":
+        from .remote._command import run as run_mirror
+
+        return run_mirror(args)
     if args.plot is not None and not plot_available():
         parser.error("--plot needs matplotlib: pip install 'aioshmq[bench]'")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from . import _reader, _writer
+from . import _reader, _writer, remote
 from ._handle import Handle
 from ._notify import NotifierKind
 from ._reader import DEFAULT_SPIN, Reader
@@ -56,12 +56,9 @@ def create(
         linger=linger,
     )
     if relay is not None:
-        from .remote._server import Server
-
         try:
-            writer._relay = Server(
-                writer.name, writer._layout, writer._ser.name, *relay
-            )
+            server = remote.load("_server").Server
+            writer._relay = server(writer.name, writer._layout, writer._ser.name, *relay)
         except BaseException:
             writer.close()
             raise
@@ -75,12 +72,10 @@ def _remote_server_args(
         if secret is not None or insecure_loopback:
             raise ValueError("secret= and insecure_loopback= go with listen=")
         return None
-    from .remote._auth import check_address, check_security
-    from .remote._mirror import check_heartbeat
-
-    check_address(listen, "listen")
-    keys = check_security(listen, secret, insecure_loopback)
-    return listen, keys, check_heartbeat(heartbeat)
+    auth = remote.load("_auth")
+    auth.check_address(listen, "listen")
+    keys = auth.check_security(listen, secret, insecure_loopback)
+    return listen, keys, remote.load("_mirror").check_heartbeat(heartbeat)
 
 
 def connect(
@@ -115,9 +110,7 @@ def connect(
             raise ValueError(f"spin must be a number of seconds from 0 to 1, not {spin!r}")
         if trusted_uids:
             raise ValueError("trusted_uids= is for local rings; a remote writer needs secret=")
-        from .remote._mirror import connect_remote
-
-        return connect_remote(
+        return remote.load("_mirror").connect_remote(  # type: ignore[no-any-return]
             handle,
             reader,
             secret=secret,

@@ -154,6 +154,7 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         self._epoll: select.epoll | None = None
         self._bye = True  # say goodbye on close; a relay whose remote reader died does not
         self._tied: Callable[[], None] | None = None  # closed after this reader (a remote link)
+        self._source = (f"of ring {name!r}", att.writer_pid)  # where the stream comes from
         seg_fd, att.segment_fd = att.segment_fd, -1
         att.fds.remove(seg_fd)
         try:
@@ -223,12 +224,12 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
                 ring.publish()  # fragments were read: let the writer reuse their room
             if ring.closed():
                 if ring.broken():
+                    what, pid = self._source
                     raise PeerDied(
-                        f"the stream of ring {self._name!r} was cut off at its source "
-                        f"({self._source_note()}): every message that fully arrived was "
-                        "delivered",
+                        f"the stream {what} was cut off at its source ({self._source_note()}):"
+                        " every message that fully arrived was delivered",
                         role="writer",
-                        pid=self._writer_pid,
+                        pid=pid,
                     )
                 raise anyio.EndOfStream
             return _EMPTY

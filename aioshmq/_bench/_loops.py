@@ -11,7 +11,7 @@ from typing import Any, TypedDict
 
 import anyio
 
-from ._peers import STOP, Channel, Receiver, Sender
+from ._peers import STOP, AioshmqMirrorChannel, Channel, Receiver, Sender
 from ._procs import Link, run_backend
 from ._workload import Workload, pattern_array
 
@@ -246,3 +246,15 @@ def echo_main(link: Link, forward: Channel, back: Channel, backend: str) -> int:
     finally:
         forward.close()
         back.close()
+
+
+def mirror_main(link: Link, channel: AioshmqMirrorChannel) -> int:
+    """The far host's mirror: hold the writer's one remote slot and republish the stream
+    into the ring the local readers attach to, until the stream ends."""
+    try:
+        with channel.mirror() as mirror:
+            link.ready()
+            mirror.run()
+        return 0
+    finally:
+        channel.close()

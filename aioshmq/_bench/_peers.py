@@ -189,19 +189,204 @@ class AioshmqChannel(Channel):
         )
 
     def receiver(self, index: int) -> Receiver:
-        deadline = time.monotonic() + CONNECT_TIMEOUT
-        while True:
-            try:
-                if self.spin is None:
-                    reader = aioshmq.connect(self.name, reader=index)
-                else:
-                    reader = aioshmq.connect(self.name, reader=index, spin=self.spin)
-            except FileNotFoundError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.01)  # the sending process has not made the ring yet
-                continue
-            return _AioshmqReceiver(reader, self.arrays)
+        return _AioshmqReceiver(_attach(self.name, index, self.spin), self.arrays)
+
+
+def _attach(name: str, index: int, spin: float | None = None) -> aioshmq.Reader[Any]:
+    """Reader ``index`` of the local ring ``name``, once the process that makes it has."""
+    deadline = time.monotonic() + CONNECT_TIMEOUT
+    while True:
+        try:
+            if spin is None:
+                return aioshmq.connect(name, reader=index)
+            return aioshmq.connect(name, reader=index, spin=spin)
+        except FileNotFoundError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)  # the sending process has not made the ring yet
+
+
+# -- aioshmq's remote path (ZeroMQ over TCP) -------------------------------------------------
+
+LOOPBACK = "tcp://127.0.0.1:0"  #: where remote senders listen: any free port on loopback
+
+
+def _publish(path: str, text: str) -> None:
+    """Leave ``text`` (an endpoint with its real port) in ``path`` for the other processes."""
+    staged = f"{path}.{os.getpid()}"
+    with open(staged, "w") as f:
+        f.write(text)
+    os.replace(staged, path)
+
+
+def _published(path: str) -> str:
+    """What ``_publish`` left in ``path``, waiting for it up to CONNECT_TIMEOUT."""
+    deadline = time.monotonic() + CONNECT_TIMEOUT
+    while True:
+        try:
+            with open(path) as f:
+                return f.read()
+        except FileNotFoundError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)  # the sending process has not bound its socket yet
+
+
+class AioshmqRemoteChannel(Channel):
+    """An aioshmq ring whose writer listens on TCP loopback, read by remote readers.
+
+    The sender makes the ring with ``listen=`` on any free port and publishes the bound
+    address in a file; each receiver is ``aioshmq.connect(address, reader=i, ...)``: a
+    private one-slot mirror in a thread of its process, and a local reader of it.  Both
+    ends hold ``secret`` (CurveZMQ: authenticated and encrypted), unless ``plain``
+    (``insecure_loopback=True``: no authentication, no encryption).
+    """
+
+    broadcast = True
+    plain = False
+
+    def _make(self) -> None:
+        tag = f"{os.getpid()}-{secrets.token_hex(6)}"
+        self.path = os.path.join(tempfile.gettempdir(), f"aioshmq-bench-{tag}.address")
+        self.secret = None if self.plain else secrets.token_bytes(32)
+
+    def security(self) -> dict[str, Any]:
+        """The keyword arguments that give both ends the channel's security."""
+        return {"insecure_loopback": True} if self.plain else {"secret": self.secret}
+
+    def _create(self, readers: int) -> aioshmq.Writer[Any]:
+        writer = aioshmq.create(
+            self.capacity, self.depth, readers, listen=LOOPBACK, **self.security()
+        )
+        try:
+            address = writer.address
+            assert address is not None
+            _publish(self.path, address)
+        except BaseException:
+            writer.close()
+            raise
+        return writer
+
+    def sender(self) -> Sender:
+        return _AioshmqSender(self._create(self.readers))
+
+    def receiver(self, index: int) -> Receiver:
+        address = _published(self.path)
+        return _AioshmqReceiver(
+            aioshmq.connect(address, reader=index, **self.security()), self.arrays
+        )
+
+    def close(self) -> None:
+        _remove_own(self.owner, self.path)
+
+
+class AioshmqPlainRemoteChannel(AioshmqRemoteChannel):
+    """The same with ``insecure_loopback=True``: what encryption costs."""
+
+    plain = True
+
+
+class AioshmqMirrorChannel(AioshmqRemoteChannel):
+    """The writer's ring holds one remote slot, held by a ``Mirror`` on the far side, which
+    republishes the stream into a local ring there with ``readers`` slots: each receiver
+    is a local reader of that ring.  The mirror runs in a process of its own
+    (``mirror()``), started beside the receivers."""
+
+    def _make(self) -> None:
+        super()._make()
+        self.mirror_name = f"bench-{os.getpid()}-{secrets.token_hex(6)}-mirror"
+
+    def sender(self) -> Sender:
+        return _AioshmqSender(self._create(1))
+
+    def mirror(self) -> Any:
+        """The far host's mirror (an ``aioshmq.remote.Mirror``), attached to the writer."""
+        from aioshmq.remote import Mirror
+
+        address = _published(self.path)
+        return Mirror(address, 0, readers=self.readers, name=self.mirror_name, **self.security())
+
+    def receiver(self, index: int) -> Receiver:
+        return _AioshmqReceiver(_attach(self.mirror_name, index), self.arrays)
+
+
+# -- raw pyzmq over TCP ----------------------------------------------------------------------
+
+
+class _ZmqTcpSender(Sender):
+    def __init__(self, channel: ZmqTcpChannel) -> None:
+        zmq = importlib.import_module("zmq")
+        self._arrays = channel.arrays
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.PUSH)
+        try:
+            self._sock.sndhwm = channel.depth
+            self._sock.sndtimeo = int(SYNC_TIMEOUT * 1000)
+            self._sock.bind(LOOPBACK)
+            _publish(channel.path, self._sock.get_string(zmq.LAST_ENDPOINT))
+        except BaseException:
+            self.close()
+            raise
+
+    async def send(self, obj: Any) -> None:
+        if not self._arrays:
+            self._sock.send(pickle.dumps(obj, protocol=5))
+            return
+        buffers: list[pickle.PickleBuffer] = []
+        head = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+        self._sock.send_multipart([head, *(b.raw() for b in buffers)], copy=False)
+
+    def close(self) -> None:
+        if not self._ctx.closed:
+            self._sock.close(linger=0)
+            self._ctx.term()
+
+
+class _ZmqTcpReceiver(Receiver):
+    def __init__(self, channel: ZmqTcpChannel) -> None:
+        zmq = importlib.import_module("zmq")
+        self._arrays = channel.arrays
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.PULL)
+        try:
+            self._sock.rcvhwm = channel.depth
+            self._sock.rcvtimeo = int(SYNC_TIMEOUT * 1000)
+            self._sock.connect(_published(channel.path))
+        except BaseException:
+            self.close()
+            raise
+
+    async def recv(self) -> Any:
+        if not self._arrays:
+            return pickle.loads(self._sock.recv())
+        head, *frames = self._sock.recv_multipart(copy=False)
+        return pickle.loads(head.buffer, buffers=[frame.buffer for frame in frames])
+
+    def close(self) -> None:
+        if not self._ctx.closed:
+            self._sock.close(linger=0)
+            self._ctx.term()
+
+
+class ZmqTcpChannel(Channel):
+    """Raw pyzmq, sync, over TCP loopback: a PUSH bound to any free port, a PULL connected.
+
+    Every message is its pickle (protocol 5); an array's buffer travels out of band, as an
+    extra frame sent with ``copy=False``.  Both high-water marks are ``depth``.
+    """
+
+    def _make(self) -> None:
+        tag = f"{os.getpid()}-{secrets.token_hex(6)}"
+        self.path = os.path.join(tempfile.gettempdir(), f"aioshmq-bench-{tag}.address")
+
+    def sender(self) -> Sender:
+        return _ZmqTcpSender(self)
+
+    def receiver(self, index: int) -> Receiver:
+        return _ZmqTcpReceiver(self)
+
+    def close(self) -> None:
+        _remove_own(self.owner, self.path)
 
 
 # -- multiprocessing.Queue -------------------------------------------------------------------
@@ -559,6 +744,40 @@ VLLM = Peer(
     "a list of 64 per enqueue",
     ("vllm",),
     VLLM_MODULE,
+)
+
+
+REMOTE_HOW = "put/get; the reader connect()s to tcp://127.0.0.1:PORT"
+AIOSHMQ_REMOTE = Peer(
+    "aioshmq", AioshmqRemoteChannel, f"{REMOTE_HOW} with secret= (CURVE)", "-", ("zmq",)
+)
+AIOSHMQ_PLAIN = Peer(
+    "aioshmq-plain",
+    AioshmqPlainRemoteChannel,
+    f"{REMOTE_HOW} with insecure_loopback=True (no CURVE)",
+    "-",
+    ("zmq",),
+)
+AIOSHMQ_MIRROR = Peer(
+    "aioshmq",
+    AioshmqMirrorChannel,
+    "one remote slot held by a Mirror process (secret=, CURVE); readers attach to it by name",
+    "-",
+    ("zmq",),
+)
+AIOSHMQ_DIRECT = Peer(
+    "aioshmq-direct",
+    AioshmqRemoteChannel,
+    "every far reader connect()s to the writer itself (secret=, CURVE)",
+    "-",
+    ("zmq",),
+)
+ZMQ_TCP = Peer(
+    "pyzmq",
+    ZmqTcpChannel,
+    "sync PUSH/PULL over tcp://127.0.0.1, pickle protocol 5 (no encryption)",
+    "-",
+    ("zmq",),
 )
 
 

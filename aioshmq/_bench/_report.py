@@ -14,8 +14,8 @@ from ._results import Result
 
 LEGEND = (
     "(N.Nx) = aioshmq's figure / the peer's: above 1 aioshmq is better for msg/s, calls/s and\n"
-    "GB/s, below 1 it is better for us, ms and % core.  (N%) = aioshmq's GB/s as a share of\n"
-    "memcpy's.  Every figure is measured in this run, on this machine."
+    "GB/s, below 1 it is better for us, ms, % core and B/msg.  (N%) = aioshmq's GB/s as a\n"
+    "share of memcpy's.  Every figure is measured in this run, on this machine."
 )
 
 
@@ -28,6 +28,9 @@ COLORS = {  # one colour per transport in every chart
     "memcpy": "#7f7f7f",
     "vLLM": "#9467bd",
     "ticker": "#17becf",
+    "aioshmq-plain": "#aec7e8",
+    "aioshmq-direct": "#393b79",
+    "pyzmq": "#98df8a",
 }
 FLOORS = {"memcpy"}  # shown as the share of it that aioshmq reaches
 LOG_SCALE = {"large"}  # memcpy is ten times anything else there
@@ -39,7 +42,7 @@ def fmt(value: float, unit: str) -> str:
         if value >= 1e6:
             return f"{value / 1e6:.2f}M"
         return f"{value / 1e3:.1f}k" if value >= 1e3 else f"{value:.0f}"
-    if unit == "us":
+    if unit in ("us", "B/msg"):
         return f"{value:.1f}"
     return f"{value:.2f}"
 

@@ -1,4 +1,4 @@
-"""The seven scenarios: what each measures, on which transports, and how runs become figures.
+"""The eight scenarios: what each measures, on which transports, and how runs become figures.
 
 Every measurement runs in fresh processes: the parent sends (or pings, or watches), children
 started with "spawn" receive.  The parent's side runs under asyncio.  One measurement that
@@ -26,13 +26,19 @@ from ._loops import (
     echo_main,
     idle_ticks,
     memcpy_gbps,
+    mirror_main,
     ping,
     pump,
     reader_main,
 )
+from ._netns import isolated, lo_bytes
 from ._peers import (
     AIOSHMQ,
     AIOSHMQ_ASLEEP,
+    AIOSHMQ_DIRECT,
+    AIOSHMQ_MIRROR,
+    AIOSHMQ_PLAIN,
+    AIOSHMQ_REMOTE,
     EVENTFD,
     FASTER_FIFO,
     MP_QUEUE,
@@ -40,9 +46,11 @@ from ._peers import (
     VLLM,
     VLLM_MAX_CHUNKS,
     ZMQ,
+    ZMQ_TCP,
+    AioshmqMirrorChannel,
     Peer,
 )
-from ._procs import Children, cpu_seconds, run_backend
+from ._procs import RESULT_TIMEOUT, Children, cpu_seconds, run_backend
 from ._report import fmt
 from ._results import Result
 from ._rpc import WINDOW, WORKERS, Transport, figures, run_session
@@ -54,6 +62,7 @@ ARRAY_DEPTH = 4  # arrays in flight at most, for the peers (aioshmq: a ring of 4
 MEASURE_TIMEOUT = 180.0  # seconds for one measurement, whatever happens
 IDLE_SETTLE = 0.3  # seconds for an idle reader to fall asleep before it is watched
 CHUNK_SLACK = 64 * KiB  # room in a vLLM chunk for an array's pickle besides its bytes
+FAR_READERS = 8  # readers on the far host, through one mirror or each on its own
 
 
 class Bench:
@@ -600,6 +609,149 @@ def rpc(bench: Bench) -> None:
         )
 
 
+async def _wire(peer: Peer, readers: int, messages: int) -> tuple[int, int]:
+    """``messages`` small objects streamed from this process to ``readers`` far reader
+    processes (through a mirror process of their own for a mirror channel): the bytes sent
+    on ``lo`` from before the writer existed until every process has exited, and how many
+    messages were sent."""
+    workload = Workload("small")
+    before = lo_bytes()
+    with anyio.fail_after(MEASURE_TIMEOUT):
+        channel = peer.channel(readers)
+        try:
+            tx = channel.sender()
+            try:
+                with Children() as kids:
+                    relay = None
+                    if isinstance(channel, AioshmqMirrorChannel):
+                        relay = kids.start(f"{peer.name}-mirror", mirror_main, channel)
+                    far = [
+                        kids.start(
+                            f"{peer.name}-far-reader-{i}",
+                            reader_main,
+                            channel,
+                            i,
+                            workload,
+                            None,
+                            0,
+                            "asyncio",
+                            False,
+                        )
+                        for i in range(readers)
+                    ]
+                    await anyio.to_thread.run_sync(kids.ready)
+                    sent = await pump(tx, workload, seconds=0.0, min_messages=messages, batch=None)
+                    reports: list[ReaderReport] = await anyio.to_thread.run_sync(
+                        lambda: [kid.expect("result", RESULT_TIMEOUT) for kid in far]
+                    )
+                    tx.close()  # the end of the stream: the mirror passes it on and exits
+                    if relay is not None:
+                        await anyio.to_thread.run_sync(relay.expect, "result", RESULT_TIMEOUT)
+            finally:
+                tx.close()
+        finally:
+            channel.close()
+    after = lo_bytes()  # every process is gone: their connections are closed
+    for i, report in enumerate(reports):
+        if report["count"] != sent:
+            raise AssertionError(f"far reader {i} received {report['count']} of {sent} messages")
+    return after - before, sent
+
+
+def _wire_bytes(bench: Bench, peer: Peer, readers: int, params: dict[str, Any]) -> dict[str, float]:
+    (nbytes, sent), where = isolated(
+        run_backend, "asyncio", _wire, peer, readers, bench.budget.wire_messages
+    )
+    params["lo_bytes"], params["messages"] = nbytes, sent
+    params["how"] = f"{params['how']}; every byte sent on lo, in {where}"
+    return {"wire bytes": nbytes / sent}
+
+
+def remote(bench: Bench) -> None:
+    """Readers on another host, here over TCP loopback between processes (aioshmq's remote
+    path, CURVE on unless said otherwise) against raw sync pyzmq PUSH/PULL on the same link:
+    100-byte objects (msg/s), 64 MiB arrays (GB/s), the ping-pong round trip, and the bytes
+    sent on the network per message to 1 and to 8 far readers, through one mirror and
+    directly."""
+    small_workload = Workload("small")
+    peers = (AIOSHMQ_REMOTE, AIOSHMQ_PLAIN, ZMQ_TCP)
+    for peer in peers:
+        bench.measure(
+            "remote",
+            "100 B, 1 -> 1 remote reader",
+            peer.name,
+            {"throughput": "msg/s"},
+            {
+                "readers": 1,
+                "object_bytes": 100,
+                "capacity": SMALL_CAPACITY,
+                "depth": SMALL_DEPTH,
+                "backend": "asyncio",
+                "how": peer.how,
+            },
+            partial(_throughput, bench, peer, small_workload),
+            absent=peer.missing(),
+        )
+    nbytes = 64 * MiB
+    arrays = Workload("array", nbytes)
+    no_numpy = _numpy_missing()
+    for peer in peers:
+        if peer is ZMQ_TCP:
+            params: dict[str, Any] = {
+                "bytes": nbytes,
+                "depth": ARRAY_DEPTH,
+                "how": f"{peer.how}: the buffer out of band, as a second frame, "
+                "send_multipart(copy=False), recv_multipart(copy=False)",
+            }
+            fn = partial(_throughput, bench, peer, arrays, depth=ARRAY_DEPTH)
+        else:
+            params = {"bytes": nbytes, "capacity": 4 * nbytes, "depth": 16, "how": peer.how}
+            fn = partial(_throughput, bench, peer, arrays, capacity=4 * nbytes, depth=16)
+        bench.measure(
+            "remote",
+            "64 MiB arrays",
+            peer.name,
+            {"throughput": "GB/s"},
+            params,
+            fn,
+            absent=no_numpy or peer.missing(),
+        )
+    for peer in peers:
+        how = "two rings, each read remotely" if peer is not ZMQ_TCP else "a PUSH/PULL pair"
+        bench.measure(
+            "remote",
+            "round trip",
+            peer.name,
+            {"p50": "us", "p99": "us"},
+            {"object_bytes": 100, "backend": "asyncio", "how": f"{peer.how}; {how}"},
+            partial(_latency, bench, peer),
+            absent=peer.missing(),
+        )
+    wire: list[tuple[int, Peer]] = [
+        (1, AIOSHMQ_MIRROR),
+        (1, AIOSHMQ_DIRECT),
+        (1, ZMQ_TCP),
+        (FAR_READERS, AIOSHMQ_MIRROR),
+        (FAR_READERS, AIOSHMQ_DIRECT),
+    ]
+    for readers, peer in wire:
+        case = f"{readers} far reader{'s' if readers > 1 else ''}, wire"
+        bench.measure(
+            "remote",
+            case,
+            peer.name,
+            {"wire bytes": "B/msg"},
+            {
+                "readers": readers,
+                "object_bytes": 100,
+                "messages": bench.budget.wire_messages,
+                "how": peer.how,
+            },
+            partial(_wire_bytes, bench, peer, readers),
+            absent=peer.missing(),
+        )
+
+
 @dataclass(frozen=True)
 class Scenario:
     name: str
@@ -615,6 +767,7 @@ SCENARIOS = (
     Scenario("idle", "idle cost: a reader awaiting an empty ring", idle),
     Scenario("lag", "event-loop lag: 1 ms ticker while 1 MiB arrays stream", lag),
     Scenario("rpc", f"RPC: 1 async scheduler -> {WORKERS} worker processes, echo(100 B)", rpc),
+    Scenario("remote", "remote readers over TCP loopback (aioshmq.remote) and raw pyzmq", remote),
 )
 SCENARIO_NAMES = tuple(scenario.name for scenario in SCENARIOS)
 

@@ -65,8 +65,9 @@ class Budget:
     idle_seconds: float  #: how long an idle reader is watched
     lag_bytes: int  #: bytes streamed while the tickers run
     memcpy_seconds: float  #: time spent finding the best memcpy of each size
+    wire_messages: int  #: small objects streamed while the bytes on the wire are counted
 
 
-FULL = Budget("full", 1.5, 3, 2000, 4, 8, 500, 20_000, 3.0, 3.0, 1 << 30, 0.3)
-QUICK = Budget("quick", 0.4, 1, 1000, 4, 4, 200, 3_000, 0.8, 1.0, 256 << 20, 0.1)
-TINY = Budget("tiny", 0.02, 1, 128, 0, 2, 20, 100, 0.1, 0.1, 8 << 20, 0.01)
+FULL = Budget("full", 1.5, 3, 2000, 4, 8, 500, 20_000, 3.0, 3.0, 1 << 30, 0.3, 100_000)
+QUICK = Budget("quick", 0.4, 1, 1000, 4, 4, 200, 3_000, 0.8, 1.0, 256 << 20, 0.1, 20_000)
+TINY = Budget("tiny", 0.02, 1, 128, 0, 2, 20, 100, 0.1, 0.1, 8 << 20, 0.01, 500)

@@ -202,10 +202,7 @@ class Link:
                         refusal = W.unpack_json(head)
                         return f"the writer gave this reader up: {refusal.get('message')}"
             if now - heard > self.heartbeat:
-                return (
-                    f"no word from the writer at {self.address} (pid {self.writer_pid} on "
-                    f"{self.writer_host}) for {self.heartbeat:g} s"
-                )
+                return f"no word from the writer for {self.heartbeat:g} s"
             if now - sent >= beat:
                 sock.send(W.PING + W.POS.pack(*expect))
                 sent = now

@@ -206,6 +206,10 @@ def connect_remote(
     thread.daemon = True
     thread.start()
     local._tied = m.close
+    link = m._link
+    assert link is not None
+    where = f"from {address} (pid {link.writer_pid} on {link.writer_host})"
+    local._source = (where, link.writer_pid)
     local._source_note = m.reason  # type: ignore[method-assign]
     return local
 
