@@ -27,11 +27,13 @@ import anyio
 from anyio.abc import TaskGroup
 from anyio.lowlevel import checkpoint
 
+from . import remote
 from ._end import YIELD_INTERVAL
 from ._errors import Empty, PeerDied
+from ._open import DEFAULT_HEARTBEAT, create
 from ._reader import DEFAULT_SPIN, Reader, connect
 from ._serialize import Buffer, PickleSerializer, Serializer, SerializerSpec, resolve
-from ._writer import Writer, create
+from ._writer import Writer
 
 __all__ = [
     "Call",
@@ -314,6 +316,10 @@ class Client:
     ``unique_reply_rank`` are keywords of ``call``/``submit`` themselves, never passed on to
     the method.  ``spin`` is the reply readers' (see ``aioshmq.connect``); by default they
     spin only if the scheduler and the workers each have a CPU of their own.
+
+    With ``listen`` (and ``secret``, or ``insecure_loopback``, as for ``aioshmq.create``)
+    workers on other hosts may serve it too: ``serve(client.address, rank, target,
+    secret=...)`` there.  Local and remote workers mix freely.
     """
 
     def __init__(
@@ -325,6 +331,10 @@ class Client:
         serializer: SerializerSpec = "pickle",
         name: str | None = None,
         spin: float | None = None,
+        listen: str | None = None,
+        secret: bytes | None = None,
+        insecure_loopback: bool = False,
+        heartbeat: float = DEFAULT_HEARTBEAT,
     ) -> None:
         if isinstance(workers, bool) or not isinstance(workers, int):
             raise TypeError(f"workers must be an int, not {type(workers).__name__}")
@@ -343,7 +353,14 @@ class Client:
             workers,
             serializer=self._ser,
             name=name or f"rpc-{secrets.token_hex(6)}",
+            listen=listen,
+            secret=secret,
+            insecure_loopback=insecure_loopback,
+            heartbeat=heartbeat,
         )
+        self._secret = secret
+        self._insecure = insecure_loopback
+        self._heartbeat = heartbeat
         self._replies: list[Reader[Any]] = []
         self._pending: dict[int, Call] = {}
         self._outbox: list[Call] = []
@@ -371,6 +388,11 @@ class Client:
     @property
     def handle(self) -> RpcHandle:
         return RpcHandle(self._calls.name, self._workers, self._ser.name)
+
+    @property
+    def address(self) -> str | None:
+        """What workers on other hosts pass to ``serve`` (None without ``listen``)."""
+        return self._calls.address
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -440,7 +462,10 @@ class Client:
         finally:
             try:
                 self._shut(anyio.ClosedResourceError("the aioshmq.rpc client's event loop ended"))
-                self._release()
+                for reader in self._replies:
+                    reader.close()
+                with anyio.CancelScope(shield=True):
+                    await self._calls.aclose()  # remote workers get the rest: off the loop
             finally:
                 self._stopped.set()
 
@@ -595,11 +620,46 @@ class Client:
     async def _connect_reply(self, rank: int) -> Reader[Any]:
         serializer = self._ser if self._ser.name == "custom" else None
         await checkpoint()
+        relay = self._calls._relay
+        slot = None if relay is None else relay.remote_slot(rank)
+        if slot is not None:
+            return await self._connect_remote_reply(rank, slot)
         try:
             # Made in this thread, so its lock is this loop's; the broker answers at once.
             return connect(_reply_name(self.name, rank), 0, serializer=serializer, spin=self._spin)
         except (FileNotFoundError, ConnectionError) as exc:
             raise _worker_died(rank, 0, "before its reply ring was reached") from exc
+
+    async def _connect_remote_reply(self, rank: int, slot: dict[str, Any]) -> Reader[Any]:
+        """The reply ring of a worker on another host, at the address it told the calls
+        ring's server right after attaching (the handshake runs off the loop)."""
+        relay = self._calls._relay
+        deadline = time.monotonic() + self._heartbeat
+        while "reply" not in slot:
+            if time.monotonic() > deadline:
+                raise _worker_died(rank, 0, "before it said where its replies are")
+            await anyio.sleep(0.002)  # its META follows its HELLO on the same connection
+            slot = relay.remote_slot(rank) or {}
+        address = slot["reply"]
+        if not isinstance(address, str) or not address.startswith(("tcp://", "ipc://")):
+            raise _worker_died(rank, 0, f"after giving a bad reply address {address!r}")
+        mirror = remote.load("_mirror")
+        try:
+            link = await anyio.to_thread.run_sync(
+                functools.partial(
+                    mirror.open_link,
+                    address,
+                    0,
+                    secret=self._secret,
+                    insecure_loopback=self._insecure,
+                    heartbeat=self._heartbeat,
+                    timeout=10.0,
+                    serializer=self._ser,
+                )
+            )
+        except (OSError, ValueError) as exc:
+            raise _worker_died(rank, 0, f"before its reply ring at {address} was reached") from exc
+        return mirror.attach(link, 10.0, self._spin)  # type: ignore[no-any-return]
 
     async def _send(self) -> None:
         """Write what was submitted, as one batch per wake of this task."""
@@ -750,26 +810,35 @@ class _Worker:
 
     def __init__(
         self,
-        handle: RpcHandle,
+        handle: RpcHandle | str,
         rank: int,
         target: object,
         serializer: SerializerSpec | None,
         capacity: int,
-        spin: float,
+        spin: float | None,
+        options: _RemoteOptions | None = None,
     ) -> None:
+        self.target = target
+        self.type_names: dict[type, str] = {}
+        if isinstance(handle, str) and handle.startswith(("tcp://", "ipc://")):
+            options = options or _RemoteOptions()
+            self._serve_remote(handle, rank, serializer, capacity, spin, options)
+            return
         if not isinstance(handle, RpcHandle):
-            raise TypeError(f"handle must be an aioshmq.rpc.RpcHandle, not {type(handle).__name__}")
+            raise TypeError(
+                "handle must be an aioshmq.rpc.RpcHandle or a client's address "
+                f"('tcp://...', 'ipc://...'), not {handle!r}"
+            )
+        spin = _default_spin(handle.workers) if spin is None else spin
         self.rank = _check_rank("rank", rank, handle.workers)
         if handle.serializer == "custom" and serializer is None:
             raise ValueError(
                 f"client {handle.name!r} uses a custom serializer: pass the same one as "
                 "serve(..., serializer=...)"
             )
-        self.target = target
         self.ser = resolve(serializer if serializer is not None else handle.serializer)
         # A pickle serializer sends a batch of replies as one pickled list: box its values.
         self.boxes = isinstance(self.ser, PickleSerializer)
-        self.type_names: dict[type, str] = {}
         self.replies: Writer[Any] = create(
             capacity, 1 << 16, 1, serializer=self.ser, name=_reply_name(handle.name, rank)
         )
@@ -777,6 +846,60 @@ class _Worker:
             self.calls: Reader[Any] = connect(
                 handle.name, rank, serializer=self.ser, spin=spin
             )
+        except BaseException:
+            self.replies.close()
+            raise
+
+    def _serve_remote(
+        self,
+        address: str,
+        rank: int,
+        serializer: SerializerSpec | None,
+        capacity: int,
+        spin: float | None,
+        options: _RemoteOptions,
+    ) -> None:
+        """Attach to the calls ring of a client on another host; make the reply ring there
+        (listening where the client can reach it) once the client's welcome says how."""
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"rank must be an int from 0, not {rank!r}")
+        self.rank = rank
+
+        def make_replies(welcome: dict[str, Any]) -> dict[str, Any]:
+            _check_rank("rank", rank, welcome["readers"])
+            if serializer is None and welcome["serializer"] == "custom":
+                raise ValueError(
+                    f"the client at {address} uses a custom serializer: pass the same one as "
+                    "serve(..., serializer=...)"
+                )
+            self.ser = resolve(serializer if serializer is not None else welcome["serializer"])
+            self.boxes = isinstance(self.ser, PickleSerializer)
+            listen = options.reply_listen or _reply_listen(address)
+            self.replies = create(
+                capacity,
+                1 << 16,
+                1,
+                serializer=self.ser,
+                listen=listen,
+                secret=options.secret,
+                insecure_loopback=options.insecure_loopback,
+                heartbeat=options.heartbeat,
+            )
+            return {"reply": self.replies.address}
+
+        mirror = remote.load("_mirror")
+        link = mirror.open_link(
+            address,
+            rank,
+            secret=options.secret,
+            insecure_loopback=options.insecure_loopback,
+            heartbeat=options.heartbeat,
+            timeout=options.timeout,
+            serializer=serializer,
+            meta=make_replies,
+        )
+        try:
+            self.calls = mirror.attach(link, options.timeout, 0.0 if spin is None else spin)
         except BaseException:
             self.replies.close()
             raise
@@ -897,23 +1020,74 @@ class _Worker:
         return answer
 
 
+@dataclass(frozen=True)
+class _RemoteOptions:
+    """How a worker on another host reaches its client, and where its replies listen."""
+
+    secret: bytes | None = None
+    insecure_loopback: bool = False
+    heartbeat: float = DEFAULT_HEARTBEAT
+    reply_listen: str | None = None
+    timeout: float | None = 10.0
+
+
+def _remote_options(
+    handle: object,
+    secret: bytes | None,
+    insecure_loopback: bool,
+    heartbeat: float,
+    reply_listen: str | None,
+) -> _RemoteOptions | None:
+    if isinstance(handle, str):
+        return _RemoteOptions(secret, insecure_loopback, heartbeat, reply_listen)
+    if secret is not None or insecure_loopback or reply_listen is not None:
+        raise ValueError(
+            "secret=, insecure_loopback= and reply_listen= go with a client's address "
+            "('tcp://...'), not with a handle"
+        )
+    return None
+
+
+def _reply_listen(address: str) -> str:
+    """Where a remote worker's reply ring listens: on this host's address on the route to
+    the client (or a fresh ipc path beside the client's)."""
+    auth = remote.load("_auth")
+    if address.startswith("ipc://"):
+        import tempfile
+
+        return f"ipc://{tempfile.gettempdir()}/aioshmq-reply-{os.getpid()}-{secrets.token_hex(6)}"
+    ip = auth.local_address_towards(auth.split_tcp(address)[0])
+    return f"tcp://[{ip}]:0" if ":" in ip else f"tcp://{ip}:0"
+
+
 async def serve(
-    handle: RpcHandle,
+    handle: RpcHandle | str,
     rank: int,
     target: object,
     *,
     serializer: SerializerSpec | None = None,
     capacity: int = REPLY_CAPACITY,
     spin: float | None = None,
+    secret: bytes | None = None,
+    insecure_loopback: bool = False,
+    heartbeat: float = DEFAULT_HEARTBEAT,
+    reply_listen: str | None = None,
 ) -> None:
     """Serve ``target``'s methods as worker ``rank`` of a client, in call order.
 
     Methods may be plain or async.  Returns when the client closes or its process dies.
     ``spin`` is the call ring reader's (see ``aioshmq.connect``); by default the workers
     spin only if they and the scheduler each have a CPU of their own.
+
+    ``handle`` is the client's ``handle``, or on another host its ``address``, with the
+    client's ``secret`` (or ``insecure_loopback``); the replies then travel through a ring
+    of this process that listens on ``reply_listen`` (default: this host's address on the
+    route to the client, any port), which the client connects to.
     """
-    spin = _default_spin(handle.workers) if spin is None else spin
-    worker = _Worker(handle, rank, target, serializer, capacity, spin)
+    options = _remote_options(handle, secret, insecure_loopback, heartbeat, reply_listen)
+    make = functools.partial(_Worker, handle, rank, target, serializer, capacity, spin, options)
+    # Across hosts the handshakes take network time: off the event loop.
+    worker = make() if options is None else await anyio.to_thread.run_sync(make)
     try:
         while True:
             try:
@@ -961,15 +1135,20 @@ async def _send(worker: _Worker, replies: list[_Reply]) -> None:
 
 
 def serve_sync(
-    handle: RpcHandle,
+    handle: RpcHandle | str,
     rank: int,
     target: object,
     *,
     serializer: SerializerSpec | None = None,
     capacity: int = REPLY_CAPACITY,
+    secret: bytes | None = None,
+    insecure_loopback: bool = False,
+    heartbeat: float = DEFAULT_HEARTBEAT,
+    reply_listen: str | None = None,
 ) -> None:
     """``serve`` for a plain process without an event loop: blocks until the client goes."""
-    worker = _Worker(handle, rank, target, serializer, capacity, 0.0)
+    options = _remote_options(handle, secret, insecure_loopback, heartbeat, reply_listen)
+    worker = _Worker(handle, rank, target, serializer, capacity, 0.0, options)
     try:
         while True:
             try:

@@ -15,7 +15,7 @@ from tests.conftest import Children
 pytestmark = pytest.mark.anyio
 
 SECRET = b"test-secret-" + b"s" * 20
-HEARTBEAT = 0.6
+HEARTBEAT = 1.5
 
 
 def _read_some_then_hang(address: str, got: Any, ready: Any) -> None:

@@ -25,7 +25,8 @@ T = TypeVar("T")
 CLONE_NEWNET = 0x40000000
 SIOCGIFFLAGS, SIOCSIFFLAGS = 0x8913, 0x8914
 IFF_UP = 0x1
-PRIVATE = "a network namespace of its own (unshare CLONE_NEWNET), only lo up"
+PRIVATE = "a network namespace of its own, only lo up"
+SHARED = "where other traffic on lo counts too"
 
 
 def lo_bytes() -> int:
@@ -50,13 +51,14 @@ def _enter_private_namespace() -> str:
     """Move this thread into a new network namespace with ``lo`` up: where the measurement
     runs, or, if that cannot be done here, why it runs on the host's ``lo``."""
     if os.geteuid() != 0:
-        return "the host's lo (not root: no namespace of its own), other traffic on it counts"
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(CLONE_NEWNET) != 0:
+        return f"the host's network namespace (not root), {SHARED}"
+    unshare = getattr(ctypes.CDLL(None, use_errno=True), "unshare", None)
+    if unshare is None:
+        return f"the host's network namespace (no unshare in libc), {SHARED}"
+    if unshare(CLONE_NEWNET) != 0:
         code = ctypes.get_errno()
         return (
-            f"the host's lo (unshare: {errno.errorcode.get(code, code)}), other traffic on "
-            "it counts"
+            f"the host's network namespace (unshare: {errno.errorcode.get(code, code)}), {SHARED}"
         )
     _bring_up_lo()
     return PRIVATE
@@ -64,7 +66,7 @@ def _enter_private_namespace() -> str:
 
 def isolated(fn: Callable[..., T], *args: Any) -> tuple[T, str]:
     """``fn(*args)`` in a new thread in a network namespace of its own: its result, and
-    where it ran (``PRIVATE``, or why on the host's ``lo``)."""
+    where it ran (``PRIVATE``, or why in the host's namespace)."""
     box: dict[str, Any] = {}
 
     def main() -> None:

@@ -662,7 +662,7 @@ def _wire_bytes(bench: Bench, peer: Peer, readers: int, params: dict[str, Any]) 
     (nbytes, sent), where = isolated(
         run_backend, "asyncio", _wire, peer, readers, bench.budget.wire_messages
     )
-    params["lo_bytes"], params["messages"] = nbytes, sent
+    params["lo_bytes"], params["messages"], params["network"] = nbytes, sent, where
     params["how"] = f"{params['how']}; every byte sent on lo, in {where}"
     return {"wire bytes": nbytes / sent}
 
@@ -735,7 +735,7 @@ def remote(bench: Bench) -> None:
         (FAR_READERS, AIOSHMQ_DIRECT),
     ]
     for readers, peer in wire:
-        case = f"{readers} far reader{'s' if readers > 1 else ''}, wire"
+        case = f"{readers} far reader{'s' if readers > 1 else ''}"
         bench.measure(
             "remote",
             case,

@@ -157,6 +157,8 @@ class Link:
             now = time.monotonic()
             wait = min(beat - (now - sent), self.heartbeat - (now - heard))
             events = dict(poller.poll(max(int(wait * 1000), 0) + 1))
+            if time.monotonic() - now > wait + self.heartbeat / 2:
+                heard = max(heard, time.monotonic() - self.heartbeat / 2)  # this one was frozen
             if sleeping:
                 ring.end_sleep()
             if writer._wake.read_fd in events:
@@ -207,6 +209,10 @@ class Link:
                 sock.send(W.PING + W.POS.pack(*expect))
                 sent = now
 
+    def send_meta(self, meta: dict[str, Any]) -> None:
+        """Tell the writer's owner something about this reader (before ``run``)."""
+        self._sock.send(W.pack_json(W.META, meta))
+
     def say_bye(self) -> None:
         """Give the slot up and wait (briefly) for the writer to have taken it back."""
         try:
@@ -246,6 +252,7 @@ def _check_welcome(w: dict[str, Any]) -> dict[str, Any]:
             and 4096 <= layout.capacity <= 1 << 46
             and layout.max_messages >= 1
             and isinstance(w["serializer"], str)
+            and isinstance(w["readers"], int)
             and isinstance(w["pid"], int)
             and isinstance(w["host"], str)
             and isinstance(w["heartbeat"], int | float)

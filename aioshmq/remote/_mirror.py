@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import secrets
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from .. import _reader, _writer
@@ -92,6 +93,12 @@ class Mirror:
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._running = False
+
+    @property
+    def address(self) -> str:
+        """The remote writer's address."""
+        assert self._link is not None
+        return self._link.address
 
     @property
     def name(self) -> str:
@@ -187,6 +194,31 @@ def connect_remote(
 ) -> Reader[Any]:
     """A reader of a remote writer: a private one-slot mirror in a thread of this process,
     and a local reader of it (so every Reader call behaves exactly as for a local ring)."""
+    m = open_link(
+        address,
+        reader,
+        secret=secret,
+        insecure_loopback=insecure_loopback,
+        heartbeat=heartbeat,
+        timeout=timeout,
+        serializer=serializer,
+    )
+    return attach(m, timeout, spin)
+
+
+def open_link(
+    address: str,
+    reader: int,
+    *,
+    secret: bytes | None,
+    insecure_loopback: bool,
+    heartbeat: float,
+    timeout: float | None,
+    serializer: SerializerSpec | None,
+    meta: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+) -> Mirror:
+    """The blocking half of a remote connect (the handshake): a private one-slot mirror.
+    ``meta`` turns the writer's welcome into what this reader tells the writer's owner."""
     m = Mirror(
         address,
         reader,
@@ -197,6 +229,19 @@ def connect_remote(
         timeout=timeout,
         serializer=serializer,
     )
+    if meta is not None:
+        try:
+            assert m._link is not None
+            m._link.send_meta(meta(m._link.welcome))
+        except BaseException:
+            m.close()
+            raise
+    return m
+
+
+def attach(m: Mirror, timeout: float | None, spin: float) -> Reader[Any]:
+    """The quick half, in the thread that will use the reader: its local reader, and the
+    mirror's thread started."""
     try:
         local = _reader._connect(m.name, 0, m.writer._ser, timeout, spin)
     except BaseException:
@@ -208,7 +253,7 @@ def connect_remote(
     local._tied = m.close
     link = m._link
     assert link is not None
-    where = f"from {address} (pid {link.writer_pid} on {link.writer_host})"
+    where = f"from {m.address} (pid {link.writer_pid} on {link.writer_host})"
     local._source = (where, link.writer_pid)
     local._source_note = m.reason  # type: ignore[method-assign]
     return local

@@ -40,6 +40,7 @@ class _Remote:
     sent_at: float
     away: bool = False  # its connection dropped: nothing is sent until it speaks again
     end: tuple[int, int] | None = None  # where the stream ended, once END was sent
+    meta: dict[str, Any] | None = None  # what the reader said about itself (META)
 
 
 class Server:
@@ -69,6 +70,7 @@ class Server:
         self.refused = 0  # handshakes refused (a wrong client key) and requests refused
         self.requests = 0  # messages received from remote readers that passed the handshake
         self._remotes: dict[bytes, _Remote] = {}
+        self._attaching: set[int] = set()  # slots whose remote reader is being attached
         self._finishing = False
         self._abandoned = False
         self._host = socket.gethostname()
@@ -119,9 +121,16 @@ class Server:
         poller.register(self._zap, zmq.POLLIN)
         poller.register(self._stop_r, zmq.POLLIN)
         registered: set[int] = set()
+        last = time.monotonic()
         while True:
             now = time.monotonic()
             timeout = self.heartbeat / 3
+            if now - last > self.heartbeat / 2:
+                # This thread itself did not run for a while (a frozen or starved process):
+                # silence meanwhile says nothing about the readers.  Give them a new chance.
+                for remote in self._remotes.values():
+                    remote.heard = max(remote.heard, now - remote.heartbeat / 2)
+            last = now
             for remote in list(self._remotes.values()):
                 if now - remote.heard > remote.heartbeat:
                     self._drop(remote, dead=True)
@@ -226,6 +235,8 @@ class Server:
                     elif tag == W.RESUME:
                         remote.ring.rewind(*remote.acked)
                         remote.away = False
+                    elif tag == W.META:
+                        remote.meta = W.unpack_json(body)
                     elif tag == W.BYE:
                         self._drop(remote, dead=False)
                         self._router.send_multipart([rid, W.BYE_OK])
@@ -266,14 +277,17 @@ class Server:
             )
             return
         peer = f"remote reader {peer[:160]}"
+        self._attaching.add(index)  # held remotely from the moment the writer sees it held
         try:
             reader = _reader._connect(
                 self.ring_name, index, "raw", ATTACH_TIMEOUT, 0.0, frozenset(), peer
             )
         except anyio.BusyResourceError as exc:
+            self._attaching.discard(index)
             self._refuse(rid, "busy", str(exc))
             return
         except Exception as exc:
+            self._attaching.discard(index)
             self._refuse(rid, "attach", str(exc))
             return
         now = time.monotonic()
@@ -282,6 +296,7 @@ class Server:
             rid, index, reader, ring, float(heartbeat), peer, (ring.tail, ring.count), now, now
         )
         self._remotes[rid] = remote
+        self._attaching.discard(index)
         self._welcome(remote)
 
     def _welcome(self, remote: _Remote) -> None:
@@ -292,6 +307,7 @@ class Server:
             "v": W.VERSION,
             "capacity": self.layout.capacity,
             "max_messages": self.layout.max_messages,
+            "readers": self.layout.readers,
             "serializer": self.serializer,
             "pid": os.getpid(),
             "host": self._host,
@@ -333,6 +349,14 @@ class Server:
             pass
 
     # -- the writer's side -----------------------------------------------------------------
+
+    def remote_slot(self, index: int) -> dict[str, Any] | None:
+        """None unless slot ``index`` is held by a remote reader; then what it said about
+        itself (empty until its META arrives, which follows its HELLO at once)."""
+        for remote in list(self._remotes.values()):
+            if remote.index == index:
+                return dict(remote.meta or {})
+        return {} if index in self._attaching else None
 
     def finish(self) -> None:
         """Once the writer closed: deliver the rest to every remote reader (until each has

@@ -18,6 +18,7 @@ ACK = b"A"  # + POS: every record before this position is in the reader's hands
 PING = b"P"  # + POS: what the reader has received so far
 RESUME = b"R"  # + POS: records went missing; send again from here
 BYE = b"B"  # the reader gives its slot up
+META = b"M"  # + JSON: what the reader tells the writer's owner (an rpc worker's reply address)
 # Writer -> reader.
 WELCOME = b"W"  # + JSON: the ring's bounds and serializer, the writer's pid and host
 REFUSE = b"E"  # + JSON: {"error", "message"}
