@@ -24,9 +24,12 @@ HAS_ZMQ = importlib.util.find_spec("zmq") is not None
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 # Where vLLM is installed its readers import torch, seconds each: the tiny run takes minutes.
 TINY_TIMEOUT = 400 if HAS_VLLM else 55
+# The remote scenario alone: about 30 s on 2 busy CPUs (17 processes start for its wire rows).
+REMOTE_TIMEOUT = 150
+EVERY_TIMEOUT = TINY_TIMEOUT + REMOTE_TIMEOUT
 
 
-@pytest.mark.timeout(TINY_TIMEOUT + 5)
+@pytest.mark.timeout(EVERY_TIMEOUT + 5)
 @pytest.mark.parametrize(
     "only",
     [
@@ -42,7 +45,7 @@ def test_bench_tiny_run_reports_every_scenario(tmp_path: Path, only: tuple[str, 
         cmd += ["--only", *only]
     if HAS_MATPLOTLIB:
         cmd += ["--plot", str(tmp_path / "bench.png")]
-    proc = run_in_session(cmd, ROOT, TINY_TIMEOUT)
+    proc = run_in_session(cmd, ROOT, EVERY_TIMEOUT if every else TINY_TIMEOUT)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
 
     data = json.loads(out.read_text())
@@ -75,6 +78,7 @@ def test_bench_tiny_run_reports_every_scenario(tmp_path: Path, only: tuple[str, 
     if every:
         _check_rpc_figures(results)
         _check_vllm_rows(results)
+        _check_remote_rows(results)
     if HAS_MATPLOTLIB:
         assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -147,6 +151,61 @@ def _check_rpc_figures(results: list[dict[str, Any]]) -> None:
             stats = mine[0]["params"]["client_stats"]
             assert stats["calls_submitted"] == mine[0]["params"]["calls"]
             assert stats["replies_received"] == 4 * stats["calls_submitted"]
+
+
+REMOTE_ROWS = {  # (case, metric, unit): the transports measured there
+    ("100 B, 1 -> 1 remote reader", "throughput", "msg/s"): {"aioshmq", "aioshmq-plain", "pyzmq"},
+    ("64 MiB arrays", "throughput", "GB/s"): {"aioshmq", "aioshmq-plain", "pyzmq"},
+    ("round trip", "p50", "us"): {"aioshmq", "aioshmq-plain", "pyzmq"},
+    ("round trip", "p99", "us"): {"aioshmq", "aioshmq-plain", "pyzmq"},
+    ("1 far reader", "wire bytes", "B/msg"): {"aioshmq", "aioshmq-direct", "pyzmq"},
+    ("8 far readers", "wire bytes", "B/msg"): {"aioshmq", "aioshmq-direct"},
+}
+
+
+def _check_remote_rows(results: list[dict[str, Any]]) -> None:
+    """Every row of the remote scenario, each measured (or pyzmq, or numpy for the arrays,
+    said to be missing); through one mirror the stream crosses the network once for all 8
+    far readers, directly once for each of them."""
+    rows = [r for r in results if r["scenario"] == "remote"]
+    got: dict[tuple[str, str, str], set[str]] = {}
+    for r in rows:
+        got.setdefault((r["case"], r["metric"], r["unit"]), set()).add(r["peer"])
+    assert got == REMOTE_ROWS, got
+    for r in rows:
+        if r["note"].startswith("not installed"):
+            assert not HAS_ZMQ or r["case"] == "64 MiB arrays", r
+            continue
+        assert isinstance(r["value"], float) and r["value"] > 0, r
+        assert r["params"]["how"], r
+        if r["peer"].startswith("aioshmq"):
+            assert ("insecure_loopback=True" in r["params"]["how"]) == (
+                r["peer"] == "aioshmq-plain"
+            ), r
+    if not HAS_ZMQ:
+        return
+    wire = {(r["case"], r["peer"]): r for r in rows if r["metric"] == "wire bytes"}
+    mirrored, direct = wire["8 far readers", "aioshmq"], wire["8 far readers", "aioshmq-direct"]
+    assert mirrored["params"]["readers"] == direct["params"]["readers"] == 8
+    assert mirrored["params"]["network"] == direct["params"]["network"]
+    assert direct["value"] > 4 * mirrored["value"], (mirrored, direct)
+    # Each message (a 100-byte pickle) is on the wire at least once.
+    assert all(r["value"] >= 100 for r in wire.values()), wire
+
+
+@pytest.mark.timeout(REMOTE_TIMEOUT + 5)
+def test_bench_tiny_remote_run_reports_its_rows(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "aioshmq", "bench", "--tiny", "--only", "remote"]
+    proc = run_in_session([*cmd, "--json", str(out)], ROOT, REMOTE_TIMEOUT)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    results = json.loads(out.read_text())["results"]
+    assert {r["scenario"] for r in results} == {"remote"}
+    _check_remote_rows(results)
+    assert "== remote:" in proc.stdout
+    for case, _, _ in REMOTE_ROWS:
+        assert case in proc.stdout
+    _check_measured_only(proc.stdout + proc.stderr + out.read_text(), results)
 
 
 def test_a_peer_is_missing_where_it_is_not_installed_or_does_not_import() -> None:
