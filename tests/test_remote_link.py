@@ -267,3 +267,80 @@ def test_remote_threads_and_fds_are_released_on_close() -> None:
     assert not {t for t in left if t.name.startswith("aioshmq")}
     assert set(os.listdir("/proc/self/fd")) - before_fds == set()
 
+
+
+def _kill_connections(port: str) -> bool:
+    """Reset every TCP connection to ``port`` (as a failing link would); False if the
+    kernel or the user cannot."""
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0 or shutil.which("ss") is None:
+        return False
+    done = subprocess.run(["ss", "-K", "-t", "dport", "=", port], capture_output=True)
+    return done.returncode == 0
+
+
+@pytest.mark.timeout(120)
+def test_connections_reset_mid_stream_lose_nothing_and_repeat_nothing() -> None:
+    """ZeroMQ reconnects by itself; what was in flight goes again from the writer's ring,
+    and the reader drops what it already had: every message once, in order."""
+    w = aioshmq.create(1 << 16, 64, listen="tcp://127.0.0.1:0", secret=SECRET)
+    assert w.address is not None
+    port = w.address.rsplit(":", 1)[1]
+    with w, aioshmq.connect(w.address, secret=SECRET) as r:
+        if not _kill_connections(port):
+            pytest.skip("cannot reset TCP connections here (needs root and ss -K)")
+        n = 12_000
+        got: list[int] = []
+        failure: list[BaseException] = []
+
+        def consume() -> None:
+            try:
+                for _ in range(n):
+                    got.append(r.get_sync(timeout=30))
+            except BaseException as exc:
+                failure.append(exc)
+
+        thread = threading.Thread(target=consume)
+        thread.start()
+        for i in range(n):
+            w.put_sync(i, timeout=30)
+            if i % 2000 == 1000:
+                assert _kill_connections(port)
+        thread.join(60)
+        assert not failure
+        assert got == list(range(n))
+        assert w._relay.resends >= 3  # the connection really dropped, and records went again
+
+
+async def test_a_reader_slower_than_the_heartbeat_after_the_end_still_gets_everything() -> None:
+    """Once the stream ended the writer's side is gone: the rest waits in the reader's
+    process, however long its reader takes."""
+    w = aioshmq.create(1 << 16, 16, listen="tcp://127.0.0.1:0", secret=SECRET, heartbeat=0.3)
+    assert w.address is not None
+    with aioshmq.connect(w.address, secret=SECRET, heartbeat=0.3) as r:
+        for i in range(21):  # more than the reader's local ring holds
+            await w.put(i)
+        await anyio.to_thread.run_sync(w.close)  # returns once the reader has all
+        assert r.statistics().messages_available == 16  # the rest waits in the link
+        assert await r.get() == 0
+        await anyio.to_thread.run_sync(time.sleep, 1.0)  # reading slower than 0.3 s beats
+        with anyio.fail_after(10):
+            assert [msg async for msg in r] == list(range(1, 21))
+
+
+async def test_a_reader_that_has_everything_lets_the_writer_close_cleanly() -> None:
+    """Its last acknowledgement comes after the end even when it said the same before."""
+    w, r = remote_pair("tcp://127.0.0.1:0")
+    relay = w._relay
+    with r:
+        await w.put("hello")
+        with anyio.fail_after(10):
+            assert await r.get() == "hello"
+            while w.statistics().messages_in_ring:  # until acknowledged: nothing to await
+                await anyio.sleep(0.001)
+        await w.aclose()
+        with pytest.raises(anyio.EndOfStream):
+            await r.get()
+    assert relay.deaths == 0

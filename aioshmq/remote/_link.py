@@ -126,6 +126,7 @@ class Link:
         acked = shown = expect
         pending: collections.deque[_Run] = collections.deque()
         ended: bool | None = None  # once the end arrived: True if it was cut off upstream
+        cut: str | None = None  # the writer sent something impossible: what arrived, then stop
         now = heard = sent = time.monotonic()
         resumed = 0.0
         poller = zmq.Poller()
@@ -147,6 +148,8 @@ class Link:
                 sent = time.monotonic()
             if ended is not None and not pending:
                 return None if not ended else "the writer's own source was cut off"
+            if cut is not None and not pending:
+                return cut
             sleeping = False
             if pending:
                 writer._check_readers()
@@ -155,8 +158,8 @@ class Link:
                 else:
                     continue
             now = time.monotonic()
-            wait = min(beat - (now - sent), self.heartbeat - (now - heard))
-            events = dict(poller.poll(max(int(wait * 1000), 0) + 1))
+            wait = max(min(beat - (now - sent), self.heartbeat - (now - heard)), 0)
+            events = dict(poller.poll(int(wait * 1000) + 1))
             if time.monotonic() - now > wait + self.heartbeat / 2:
                 heard = max(heard, time.monotonic() - self.heartbeat / 2)  # this one was frozen
             if sleeping:
@@ -166,7 +169,7 @@ class Link:
             if stop_fd in events:
                 return "stopped"
             now = time.monotonic()
-            if sock in events:
+            if sock in events and cut is None:
                 for _ in range(256):
                     try:
                         frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -176,7 +179,12 @@ class Link:
                     head = frames[0].bytes
                     tag = head[:1]
                     if tag == W.DATA and len(frames) == 2:
-                        new = _trim(head, frames[1].buffer, self.layout, expect)
+                        try:
+                            new = _trim(head, frames[1].buffer, self.layout, expect)
+                        except CorruptedError as exc:
+                            cut = f"the writer sent a corrupted message: {exc}"
+                            poller.unregister(sock)  # nothing more is read from it
+                            break
                         if new is None:
                             continue  # sent again after a reconnection: already here
                         if new.pos != expect[0]:
@@ -192,18 +200,18 @@ class Link:
                             sock.send(W.RESUME + W.POS.pack(*expect))
                             resumed = sent = now
                     elif tag == W.END:
-                        pos, count, cut = W.END_.unpack_from(head, 1)
+                        pos, count, broken = W.END_.unpack_from(head, 1)
                         if (pos, count) == expect and ended is None:
-                            ended = bool(cut)
+                            ended = bool(broken)
                             # Everything is here: the writer may let go (its ring is closed).
-                            acked = expect
+                            acked, shown = expect, (-1, -1)  # said even if said before
                         elif pos > expect[0] and now - resumed > beat:
                             sock.send(W.RESUME + W.POS.pack(*expect))
                             resumed = sent = now
                     elif tag == W.REFUSE:
                         refusal = W.unpack_json(head)
                         return f"the writer gave this reader up: {refusal.get('message')}"
-            if now - heard > self.heartbeat:
+            if now - heard > self.heartbeat and cut is None and ended is None:
                 return f"no word from the writer for {self.heartbeat:g} s"
             if now - sent >= beat:
                 sock.send(W.PING + W.POS.pack(*expect))

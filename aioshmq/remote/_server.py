@@ -69,6 +69,8 @@ class Server:
         self.failure: BaseException | None = None
         self.refused = 0  # handshakes refused (a wrong client key) and requests refused
         self.requests = 0  # messages received from remote readers that passed the handshake
+        self.resends = 0  # times a remote reader got records again (a dropped connection)
+        self.deaths = 0  # remote readers given up as dead
         self._remotes: dict[bytes, _Remote] = {}
         self._attaching: set[int] = set()  # slots whose remote reader is being attached
         self._finishing = False
@@ -204,6 +206,7 @@ class Server:
             # ring, and goes again once it is back.
             remote.away = True
             remote.ring.rewind(*remote.acked)
+            self.resends += 1
             return
         remote.sent_at = time.monotonic()
 
@@ -234,6 +237,7 @@ class Server:
                             remote.away = False  # back: send again from what it holds
                     elif tag == W.RESUME:
                         remote.ring.rewind(*remote.acked)
+                        self.resends += 1
                         remote.away = False
                     elif tag == W.META:
                         remote.meta = W.unpack_json(body)
@@ -339,6 +343,7 @@ class Server:
     def _drop(self, remote: _Remote, *, dead: bool) -> None:
         """Give the slot back: cleanly, or as a dead reader (the writer then says so)."""
         self._remotes.pop(remote.rid, None)
+        self.deaths += dead
         try:
             remote.ring.end_sleep()
             if dead:

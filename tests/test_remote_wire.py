@@ -1,0 +1,194 @@
+"""What crosses the network is checked before use: hostile bytes from either side never crash."""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+from typing import Any
+
+import anyio
+import pytest
+import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import aioshmq
+from aioshmq import _layout as L
+from aioshmq._errors import CorruptedError
+from aioshmq._layout import Layout, record_size
+from aioshmq.remote import _wire as W
+from aioshmq.remote._auth import Keys, secure_client, secure_server
+
+SECRET = b"test-secret-" + b"w" * 20
+LAYOUT = Layout(1 << 16, 64, 1)
+
+
+def _record(kind: int, payload: bytes, aux: int = 0) -> bytes:
+    body = struct.pack("<QQ", (len(payload) << 8) | kind, aux) + payload
+    return body + b"\0" * (record_size(len(payload)) - len(body))
+
+
+def _run(
+    *records: bytes, pos: int = 0, count: int = 0, messages: int | None = None
+) -> tuple[bytes, bytes]:
+    run = b"".join(records)
+    n = len(records) if messages is None else messages
+    return W.DATA + W.RUN.pack(pos, count, pos + len(run), count + n), run
+
+
+def test_a_valid_run_gives_each_record_and_what_it_counts() -> None:
+    full = LAYOUT.fragment_payload
+    records = [
+        _record(L.MSG, b"a" * 5),
+        _record(L.MSG | L.BATCH, b"b" * 40, aux=3),
+        _record(L.FIRST, b"c" * full, aux=full + 7),
+        _record(L.LAST, b"d" * 7),
+    ]
+    head, run = _run(*records, pos=4096, count=10, messages=5)
+    pos, count, end, end_count, view, table = W.check_run(head, memoryview(run), LAYOUT)
+    assert (pos, count, end, end_count) == (4096, 10, 4096 + len(run), 15)
+    sizes = [len(r) for r in records]
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    assert table == [(o, s, e) for o, s, e in zip(offsets, sizes, [1, 3, 0, 1], strict=True)]
+    assert bytes(view) == run
+
+
+@pytest.mark.parametrize(
+    "records, messages, why",
+    [
+        ([_record(L.PAD, b"x")], 1, "kind"),
+        ([_record(0x7, b"x")], 1, "kind"),
+        ([_record(L.MSG | 0x40, b"x")], 1, "kind"),
+        ([_record(L.MSG, b"x")], 2, "claims"),
+        ([_record(L.MSG | L.BATCH, b"x", aux=65)], 65, "ending"),
+        ([_record(L.MIDDLE, b"x" * 10)], 0, "fragment"),
+        ([_record(L.MSG, b"x" * (1 << 15))], 1, "ending"),  # larger than a record may be
+    ],
+)
+def test_a_scribbled_run_is_refused(records: list[bytes], messages: int, why: str) -> None:
+    head, run = _run(*records, messages=messages)
+    with pytest.raises(CorruptedError, match=why):
+        W.check_run(head, memoryview(run), LAYOUT)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=400), st.integers(0, 1 << 20), st.integers(0, 300))
+def test_random_bytes_are_refused_or_read_within_bounds(data: bytes, pos: int, extra: int) -> None:
+    head = W.DATA + W.RUN.pack(pos, 5, pos + len(data) + extra % 48, 5 + extra % 7)
+    try:
+        _p, _c, _e, _ec, view, table = W.check_run(head, memoryview(data), LAYOUT)
+    except CorruptedError:
+        return
+    assert sum(size for _o, size, _m in table) == len(view) == len(data)
+    assert all(off + size <= len(data) for off, size, _m in table)
+
+
+@pytest.mark.timeout(60)
+def test_a_hostile_peer_with_the_secret_cannot_break_the_writer() -> None:
+    """Garbage of every kind from an authenticated peer: refused, the writer serves on."""
+    keys = Keys.from_secret(SECRET)
+    with aioshmq.create(1 << 16, 64, readers=2, listen="tcp://127.0.0.1:0", secret=SECRET) as w:
+        assert w.address is not None
+        ctx = zmq.Context()
+        try:
+            sock = ctx.socket(zmq.DEALER)
+            sock.linger = 0
+            secure_client(sock, keys)
+            sock.connect(w.address)
+            garbage = [
+                b"",
+                b"?",
+                b"H" + b"[" * 5000,
+                b"H" + b"x" * 100_000,
+                b'H{"v": 1, "reader": "0", "heartbeat": 3, "peer": "p"}',
+                b'H{"v": 1, "reader": 9, "heartbeat": 3, "peer": "p"}',
+                b'H{"v": 99, "reader": 0, "heartbeat": 3, "peer": "p"}',
+                b'H{"v": 1, "reader": 0, "heartbeat": 1e300, "peer": "p"}',
+                b"A" + W.POS.pack(1, 1),
+                b"R",
+                b"M{}",
+            ]
+            for body in garbage:
+                sock.send(body)
+            refusals = 0
+            deadline = time.monotonic() + 20
+            while refusals < 7 and time.monotonic() < deadline:
+                if sock.poll(1000):
+                    reply = sock.recv()
+                    assert reply[:1] == W.REFUSE, reply[:80]
+                    refusals += 1
+            assert refusals >= 7
+            # Now attach for real, then acknowledge what was never sent: the slot is given up
+            # as a dead reader, never advanced past what its reader holds.
+            sock.send(W.pack_json(W.HELLO, {"v": 1, "reader": 1, "heartbeat": 3, "peer": "p"}))
+            while True:
+                assert sock.poll(10_000)
+                reply = sock.recv()
+                if reply[:1] == W.WELCOME:
+                    break
+            sock.send(W.ACK + W.POS.pack(1 << 40, 1 << 40))
+            put = 0
+            with pytest.raises(aioshmq.PeerDied, match="remote reader"):
+                for i in range(200):
+                    w.put_sync(i, timeout=20)
+                    put += 1
+            w.drop_reader(1)
+            sock.close()
+        finally:
+            ctx.term()
+        with aioshmq.connect(w.address, reader=0, secret=SECRET) as r:
+            w.put_sync("still serving")  # slot 0 never had a reader: it kept everything
+            got = [r.get_sync(timeout=20) for _ in range(put + 1)]
+            assert got == [*range(put), "still serving"]
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_a_hostile_writer_with_the_secret_gives_peer_died_not_a_crash() -> None:
+    """A scribbled data message from the writer's side: the reader stops with PeerDied
+    naming the corruption, after every message that arrived whole."""
+    keys = Keys.from_secret(SECRET)
+    ctx = zmq.Context()
+    try:
+        router = ctx.socket(zmq.ROUTER)
+        router.linger = 0
+        secure_server(router, None if keys is None else keys)
+        zap = ctx.socket(zmq.REP)
+        zap.bind("inproc://zeromq.zap.01")
+        router.bind("tcp://127.0.0.1:0")
+        address = router.get_string(zmq.LAST_ENDPOINT)
+
+        def serve() -> None:
+            from aioshmq.remote._auth import zap_reply
+
+            zap.send_multipart(zap_reply(zap.recv_multipart(), keys))
+            rid, hello = router.recv_multipart()
+            assert json.loads(hello[1:])["reader"] == 0
+            welcome: dict[str, Any] = {
+                "v": 1, "capacity": 1 << 16, "max_messages": 64, "readers": 1,
+                "serializer": "pickle", "pid": 4242, "host": "elsewhere", "heartbeat": 3.0,
+                "start": [0, 0],
+            }
+            router.send_multipart([rid, W.pack_json(W.WELCOME, welcome)])
+            import pickle
+
+            good = _record(L.MSG, pickle.dumps("whole"))
+            head, run = _run(good)
+            router.send_multipart([rid, head, run])
+            bad = W.DATA + W.RUN.pack(len(run), 1, len(run) + 32, 2)
+            router.send_multipart([rid, bad, struct.pack("<QQ", (10**9 << 8) | L.MSG, 0) * 2])
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(anyio.to_thread.run_sync, serve)
+            r = await anyio.to_thread.run_sync(
+                lambda: aioshmq.connect(address, secret=SECRET, timeout=20)
+            )
+        with r:
+            with anyio.fail_after(20):
+                assert await r.get() == "whole"
+                with pytest.raises(aioshmq.PeerDied, match="corrupted") as info:
+                    await r.get()
+            assert info.value.pid == 4242
+    finally:
+        ctx.destroy(linger=0)
