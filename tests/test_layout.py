@@ -131,3 +131,19 @@ def test_documented_modules_match_their_docstrings() -> None:
             continue
         doc = (importlib.import_module(f"aioshmq.{info.name}").__doc__ or "").splitlines()[0]
         assert documented.get(f"{info.name}.py") == doc.replace("``", "`"), info.name
+
+
+def test_documented_remote_modules_match_their_docstrings() -> None:
+    import importlib
+    import pkgutil
+
+    import aioshmq.remote
+
+    rows = _table(["remote module", "owns"])
+    documented = {module: owns for module, owns in rows}
+    found = set()
+    for info in pkgutil.iter_modules(aioshmq.remote.__path__):
+        doc = (importlib.import_module(f"aioshmq.remote.{info.name}").__doc__ or "").splitlines()
+        found.add(f"remote/{info.name}.py")
+        assert documented.get(f"remote/{info.name}.py") == doc[0].replace("``", "`"), info.name
+    assert found == set(documented)

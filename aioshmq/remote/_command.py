@@ -1,4 +1,4 @@
-"""``python -m aioshmq mirror``: carry a remote writer's stream into a ring on this host."""
+"""The ``python -m aioshmq mirror`` command: a remote writer's stream, carried into a ring here."""
 
 from __future__ import annotations
 
