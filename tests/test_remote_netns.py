@@ -399,14 +399,6 @@ def test_mirror_cut_off(pair: Pair, kids: Children) -> None:
     assert put - max_messages <= got[0] <= put, (put, got)
 
 
-@pytest.mark.xfail(
-    strict=False,  # whether the reader's next ACK outruns the writer's rewind is a race
-    raises=AssertionError,
-    reason="bug in aioshmq/remote/_server.py (remove this mark once fixed): after a send "
-    "fails (EHOSTUNREACH) the server rewinds the slot's ring to what was acknowledged, then "
-    "refuses the reader's next ACK of records it had sent before the drop ('an "
-    "acknowledgement of position N, which was never sent') and drops the reader as dead",
-)
 @pytest.mark.timeout(60)
 def test_connection_reset_loses_nothing(pair: Pair, kids: Children) -> None:
     """The TCP connection is destroyed at both ends while the link is down, for longer than

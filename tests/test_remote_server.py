@@ -19,7 +19,8 @@ HEARTBEAT = 1.5
 
 
 def _read_some_then_hang(address: str, got: Any, ready: Any) -> None:
-    r = aioshmq.connect(address, reader=0, secret=SECRET, heartbeat=HEARTBEAT)
+    # A reader that would wait long for its writer: the writer's shorter timeout counts.
+    r = aioshmq.connect(address, reader=0, secret=SECRET, heartbeat=30)
     for _ in range(5):
         r.get_sync(timeout=30)
     got.value = 5

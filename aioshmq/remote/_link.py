@@ -120,7 +120,8 @@ class Link:
         """Receive into ``writer`` (a ring of the writer's capacity) until the stream ends
         (None), ``stop_fd`` is readable ("stopped") or the stream is cut off (why)."""
         sock, ring = self._sock, writer._ring
-        beat = min(self.heartbeat, self._peer_heartbeat) / 3
+        timeout = min(self.heartbeat, self._peer_heartbeat)  # the shorter side's says
+        beat = timeout / 3
         start = tuple(self.welcome["start"])
         expect: tuple[int, int] = (start[0], start[1])
         acked = shown = expect
@@ -158,10 +159,10 @@ class Link:
                 else:
                     continue
             now = time.monotonic()
-            wait = max(min(beat - (now - sent), self.heartbeat - (now - heard)), 0)
+            wait = max(min(beat - (now - sent), timeout - (now - heard)), 0)
             events = dict(poller.poll(int(wait * 1000) + 1))
-            if time.monotonic() - now > wait + self.heartbeat / 2:
-                heard = max(heard, time.monotonic() - self.heartbeat / 2)  # this one was frozen
+            if time.monotonic() - now > wait + timeout / 2:
+                heard = max(heard, time.monotonic() - timeout / 2)  # this one was frozen
             if sleeping:
                 ring.end_sleep()
             if writer._wake.read_fd in events:
@@ -211,8 +212,8 @@ class Link:
                     elif tag == W.REFUSE:
                         refusal = W.unpack_json(head)
                         return f"the writer gave this reader up: {refusal.get('message')}"
-            if now - heard > self.heartbeat and cut is None and ended is None:
-                return f"no word from the writer for {self.heartbeat:g} s"
+            if now - heard > timeout and cut is None and ended is None:
+                return f"no word from the writer for {timeout:g} s"
             if now - sent >= beat:
                 sock.send(W.PING + W.POS.pack(*expect))
                 sent = now

@@ -38,6 +38,7 @@ class _Remote:
     acked: tuple[int, int]
     heard: float
     sent_at: float
+    sent: tuple[int, int]  # the furthest position sent (the cursor may be rewound below it)
     away: bool = False  # its connection dropped: nothing is sent until it speaks again
     end: tuple[int, int] | None = None  # where the stream ended, once END was sent
     meta: dict[str, Any] | None = None  # what the reader said about itself (META)
@@ -186,6 +187,8 @@ class Server:
                     self._send(remote, [head, records])
                     if remote.away:
                         return
+                    if ring.tail > remote.sent[0]:
+                        remote.sent = (ring.tail, ring.count)
                 if remote.end is None and ring.closed():
                     remote.end = (ring.tail, ring.count)
                     self._send(remote, [W.END + W.END_.pack(*remote.end, ring.broken())])
@@ -297,7 +300,16 @@ class Server:
         now = time.monotonic()
         ring = reader._ring
         remote = _Remote(
-            rid, index, reader, ring, float(heartbeat), peer, (ring.tail, ring.count), now, now
+            rid,
+            index,
+            reader,
+            ring,
+            min(float(heartbeat), self.heartbeat),  # the shorter of the two sides' timeouts
+            peer,
+            (ring.tail, ring.count),
+            now,
+            now,
+            (ring.tail, ring.count),
         )
         self._remotes[rid] = remote
         self._attaching.discard(index)
@@ -324,10 +336,14 @@ class Server:
         """The remote reader holds everything before (pos, count): the ring may reuse it."""
         if (pos, count) != remote.acked:
             lo, lo_count = remote.acked
-            if not (lo <= pos <= remote.ring.tail and lo_count <= count <= remote.ring.count):
+            hi, hi_count = remote.sent
+            if not (lo <= pos <= hi and lo_count <= count <= hi_count):
                 raise ValueError(f"an acknowledgement of position {pos}, which was never sent")
+            ring = remote.ring
+            if pos > ring.tail:  # sent before a reconnection rewound the cursor: not again
+                ring.rewind(pos, count)
             remote.acked = (pos, count)
-            remote.ring.release_to(pos, count)
+            ring.release_to(pos, count)
         if remote.end is not None and (pos, count) == remote.end:
             self._drop(remote, dead=False)  # it has everything: the slot is done with
 
