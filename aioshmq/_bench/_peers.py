@@ -320,6 +320,11 @@ class _ZmqTcpSender(Sender):
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PUSH)
         try:
+            if channel.curve:
+                keys = _bench_keys()
+                self._sock.curve_server = True
+                self._sock.curve_secretkey = keys.server_secret
+                self._sock.curve_publickey = keys.server_public
             self._sock.sndhwm = channel.depth
             self._sock.sndtimeo = int(SYNC_TIMEOUT * 1000)
             self._sock.bind(LOOPBACK)
@@ -349,6 +354,11 @@ class _ZmqTcpReceiver(Receiver):
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PULL)
         try:
+            if channel.curve:
+                keys = _bench_keys()
+                self._sock.curve_serverkey = keys.server_public
+                self._sock.curve_publickey = keys.client_public
+                self._sock.curve_secretkey = keys.client_secret
             self._sock.rcvhwm = channel.depth
             self._sock.rcvtimeo = int(SYNC_TIMEOUT * 1000)
             self._sock.connect(_published(channel.path))
@@ -374,6 +384,8 @@ class ZmqTcpChannel(Channel):
     Every message is its pickle (protocol 5); an array's buffer travels out of band, as an
     extra frame sent with ``copy=False``.  Both high-water marks are ``depth``.
     """
+
+    curve = False  # encrypt with CurveZMQ, as aioshmq's remote path does with a secret
 
     def _make(self) -> None:
         tag = f"{os.getpid()}-{secrets.token_hex(6)}"
@@ -779,6 +791,27 @@ ZMQ_TCP = Peer(
     "-",
     ("zmq",),
 )
+
+
+class ZmqTcpCurveChannel(ZmqTcpChannel):
+    """``ZmqTcpChannel`` with CurveZMQ encryption (no ZAP handler: any client key)."""
+
+    curve = True
+
+
+ZMQ_TCP_CURVE = Peer(
+    "pyzmq-curve",
+    ZmqTcpCurveChannel,
+    "sync PUSH/PULL over tcp://127.0.0.1, pickle protocol 5, CurveZMQ encryption",
+    "-",
+    ("zmq",),
+)
+
+
+def _bench_keys() -> Any:
+    from ..remote._auth import Keys
+
+    return Keys.from_secret(b"aioshmq-bench-curve-keys")
 
 
 class AioshmqSleepingChannel(AioshmqChannel):

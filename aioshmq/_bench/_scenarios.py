@@ -47,6 +47,7 @@ from ._peers import (
     VLLM_MAX_CHUNKS,
     ZMQ,
     ZMQ_TCP,
+    ZMQ_TCP_CURVE,
     AioshmqMirrorChannel,
     Peer,
 )
@@ -674,7 +675,7 @@ def remote(bench: Bench) -> None:
     sent on the network per message to 1 and to 8 far readers, through one mirror and
     directly."""
     small_workload = Workload("small")
-    peers = (AIOSHMQ_REMOTE, AIOSHMQ_PLAIN, ZMQ_TCP)
+    peers = (AIOSHMQ_REMOTE, ZMQ_TCP_CURVE, AIOSHMQ_PLAIN, ZMQ_TCP)
     for peer in peers:
         bench.measure(
             "remote",
@@ -696,7 +697,7 @@ def remote(bench: Bench) -> None:
     arrays = Workload("array", nbytes)
     no_numpy = _numpy_missing()
     for peer in peers:
-        if peer is ZMQ_TCP:
+        if peer in (ZMQ_TCP, ZMQ_TCP_CURVE):
             params: dict[str, Any] = {
                 "bytes": nbytes,
                 "depth": ARRAY_DEPTH,
@@ -717,7 +718,8 @@ def remote(bench: Bench) -> None:
             absent=no_numpy or peer.missing(),
         )
     for peer in peers:
-        how = "two rings, each read remotely" if peer is not ZMQ_TCP else "a PUSH/PULL pair"
+        pair = peer in (ZMQ_TCP, ZMQ_TCP_CURVE)
+        how = "a PUSH/PULL pair" if pair else "two rings, each read remotely"
         bench.measure(
             "remote",
             "round trip",
