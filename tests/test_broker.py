@@ -663,16 +663,20 @@ def test_connect_that_fails_after_the_slot_changed_hands_gives_it_back(
         attach(self, *args)
 
     monkeypatch.setattr(_broker.Broker, "_attach", slow_attach)
-    with aioshmq.create(capacity=1 << 16, readers=1) as w:
+    with aioshmq.create(capacity=1 << 16, readers=2) as w:
         for i in range(10):
             w.put_nowait(i)
         with pytest.raises(TimeoutError):
             aioshmq.connect(w.name, timeout=0.5)
         release.set()
         monkeypatch.undo()
-        with aioshmq.connect(w.name, timeout=30) as r:
-            w.wait_readers_sync(timeout=10)  # no PeerDied for the reader that gave up
-            assert [r.get_nowait() for _ in range(10)] == list(range(10))
+        # Served after the broker handled the failed reader's abort: slot 0 is free again.
+        with aioshmq.connect(w.name, reader=1, timeout=30) as other:
+            assert w.statistics().readers_attached == 1
+            with aioshmq.connect(w.name, timeout=30) as r:
+                w.wait_readers_sync(timeout=10)  # no PeerDied for the reader that gave up
+                assert [r.get_nowait() for _ in range(10)] == list(range(10))
+            assert other.get_nowait() == 0
 
 
 def test_drop_reader_never_drops_a_reader_attaching_meanwhile() -> None:

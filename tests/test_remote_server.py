@@ -107,3 +107,49 @@ async def test_a_killed_writer_gives_every_message_then_peer_died(children: Chil
         with pytest.raises(aioshmq.PeerDied):
             r.get_nowait()
     assert got == list(range(300))
+
+
+async def test_the_writer_reuses_only_what_a_remote_reader_acknowledged() -> None:
+    """Sent is not enough: records in flight stay in the writer's ring (to be sent again
+    after a reconnection) until the reader says it holds them."""
+    import struct
+
+    import zmq
+
+    from aioshmq._layout import record_size
+    from aioshmq.remote import _wire as W
+    from aioshmq.remote._auth import Keys, secure_client
+
+    with aioshmq.create(1 << 16, 8, listen="tcp://127.0.0.1:0", secret=SECRET, heartbeat=60) as w:
+        assert w.address is not None
+        for i in range(8):
+            w.put_nowait(i)  # the ring is full: 8 messages
+        ctx = zmq.Context()
+        try:
+            sock = ctx.socket(zmq.DEALER)
+            sock.linger = 0
+            sock.rcvtimeo = 10_000
+            secure_client(sock, Keys.from_secret(SECRET))
+            sock.connect(w.address)
+            sock.send(W.pack_json(W.HELLO, {"v": 1, "reader": 0, "heartbeat": 30, "peer": "t"}))
+            while True:
+                assert sock.poll(10_000)
+                frames = sock.recv_multipart()
+                if frames[0][:1] == W.DATA:
+                    _pos, count, end, _end_count = W.RUN.unpack_from(frames[0], 1)
+                    break
+            (word,) = struct.unpack_from("<Q", frames[1])
+            first = end - len(frames[1]) + record_size(word >> 8)  # the first message's end
+            sock.send(W.ACK + W.POS.pack(first, count + 1))
+            with anyio.fail_after(10):  # until the server took the acknowledgement in
+                while w.statistics().messages_in_ring == 8:
+                    await anyio.sleep(0.001)
+            w.put_nowait(8)  # room for one message: this one
+            with pytest.raises(aioshmq.Full):
+                w.put_nowait(9)  # no room: the other 7 are in flight, unacknowledged
+            assert w.statistics().messages_in_ring == 8
+            sock.send(W.BYE)  # gives the slot up: the writer need not wait for it to close
+            while sock.recv_multipart()[0] != W.BYE_OK:  # after data still on its way
+                assert sock.poll(10_000)
+        finally:
+            ctx.destroy(linger=0)

@@ -192,3 +192,25 @@ async def test_a_hostile_writer_with_the_secret_gives_peer_died_not_a_crash() ->
             assert info.value.pid == 4242
     finally:
         ctx.destroy(linger=0)
+
+
+def test_what_arrives_twice_is_dropped_by_position() -> None:
+    """After a reconnection the writer sends again from what was acknowledged: a run the
+    reader already has is dropped, one that straddles what it has is cut at the record where
+    it left off, and one that would not line up with it is refused."""
+    from aioshmq.remote._link import _trim
+
+    records = [_record(L.MSG, bytes([i]) * (10 + i)) for i in range(4)]
+    head, run = _run(*records, pos=1000, count=50)
+    end = 1000 + len(run)
+    assert _trim(head, memoryview(run), LAYOUT, (end, 54)) is None
+    assert _trim(head, memoryview(run), LAYOUT, (end + 64, 60)) is None
+    whole = _trim(head, memoryview(run), LAYOUT, (1000, 50))
+    assert whole is not None and (whole.pos, whole.count, len(whole.table)) == (1000, 50, 4)
+    cut = _trim(head, memoryview(run), LAYOUT, (1000 + len(records[0]), 51))
+    assert cut is not None and (cut.pos, cut.count, cut.end) == (1000 + len(records[0]), 51, (end, 54))
+    assert [off for off, _s, _m in cut.table] == [len(records[0]), *[
+        sum(map(len, records[:i])) for i in (2, 3)
+    ]]
+    with pytest.raises(CorruptedError, match="no record at"):
+        _trim(head, memoryview(run), LAYOUT, (1000 + 8, 50))
