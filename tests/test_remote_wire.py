@@ -64,6 +64,7 @@ def test_a_valid_run_gives_each_record_and_what_it_counts() -> None:
         ([_record(L.MSG | L.BATCH, b"x", aux=65)], 65, "ending"),
         ([_record(L.MIDDLE, b"x" * 10)], 0, "fragment"),
         ([_record(L.MSG, b"x" * (1 << 15))], 1, "ending"),  # larger than a record may be
+        ([_record(L.MSG, b"x" * 40)[:32]], 1, "overruns"),  # cut short: claims 40 bytes
     ],
 )
 def test_a_scribbled_run_is_refused(records: list[bytes], messages: int, why: str) -> None:
@@ -207,10 +208,9 @@ def test_what_arrives_twice_is_dropped_by_position() -> None:
     assert _trim(head, memoryview(run), LAYOUT, (end + 64, 60)) is None
     whole = _trim(head, memoryview(run), LAYOUT, (1000, 50))
     assert whole is not None and (whole.pos, whole.count, len(whole.table)) == (1000, 50, 4)
-    cut = _trim(head, memoryview(run), LAYOUT, (1000 + len(records[0]), 51))
-    assert cut is not None and (cut.pos, cut.count, cut.end) == (1000 + len(records[0]), 51, (end, 54))
-    assert [off for off, _s, _m in cut.table] == [len(records[0]), *[
-        sum(map(len, records[:i])) for i in (2, 3)
-    ]]
+    second = 1000 + len(records[0])
+    cut = _trim(head, memoryview(run), LAYOUT, (second, 51))
+    assert cut is not None and (cut.pos, cut.count, cut.end) == (second, 51, (end, 54))
+    assert [off for off, _s, _m in cut.table] == [sum(map(len, records[:i])) for i in (1, 2, 3)]
     with pytest.raises(CorruptedError, match="no record at"):
         _trim(head, memoryview(run), LAYOUT, (1000 + 8, 50))

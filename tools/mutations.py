@@ -202,7 +202,7 @@ M = [
         "aioshmq/remote/_wire.py",
         "        if off + n > size:",
         "        if False:",
-        "tests/test_remote_wire.py::test_random_bytes_are_refused_or_read_within_bounds",
+        "tests/test_remote_wire.py::test_a_scribbled_run_is_refused",
     ),
     (
         "drop_reader never drops a live reader",
