@@ -524,10 +524,10 @@ def lag(bench: Bench) -> None:
     loops = ("writer", "reader 0", "reader 1")
     gap_units = {f"{loop} {what} gap": "ms" for what in ("max", "p99") for loop in loops}
 
-    def measure(params: dict[str, Any]) -> dict[str, float]:
+    def measure(params: dict[str, Any], peer: Peer = AIOSHMQ) -> dict[str, float]:
         stream = run_backend(
             "asyncio",
-            partial(_stream, AIOSHMQ, workload, readers=2, min_messages=count, tick=True),
+            partial(_stream, peer, workload, readers=2, min_messages=count, tick=True),
         )
         gaps = [stream.writer_gaps, *(report["gaps"] for report in stream.reports)]
         values = {"throughput": stream.counted * nbytes / stream.elapsed / 1e9}
@@ -559,6 +559,23 @@ def lag(bench: Bench) -> None:
         },
         measure,
         absent=_numpy_missing(),
+    )
+    bench.measure(
+        "lag",
+        f"{count} x 1 MiB to 2 remote readers",
+        "aioshmq",
+        {**gap_units, "throughput": "GB/s"},
+        {
+            "bytes": count * nbytes,
+            "message_bytes": nbytes,
+            "readers": 2,
+            "tick_ms": 1.0,
+            "capacity": SMALL_CAPACITY,
+            "backend": "asyncio",
+            "how": f"{AIOSHMQ_REMOTE.how}; a ticker task in each of the 3 loops",
+        },
+        partial(measure, peer=AIOSHMQ_REMOTE),
+        absent=_numpy_missing() or AIOSHMQ_REMOTE.missing(),
     )
     bench.measure(
         "lag",
