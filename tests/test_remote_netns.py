@@ -506,3 +506,117 @@ def test_arrays_through_mirror_stress(pair: Pair, kids: Children) -> None:
     puts: all four readers (local in A, direct remote in B, two behind the mirror in B) get
     all of them, exactly."""
     _arrays_through_mirror(pair, kids, 10_000, wait=780)
+
+
+# argv: listen; the scheduler: an rpc client of 4 workers (ranks 0 and 1 local, spawned
+# here; 2 and 3 on the other side), the scheduler example's kinds of calls, then a call on
+# the worker the test kills.
+SCHEDULER = (
+    PRELUDE
+    + """
+import multiprocessing
+from aioshmq import rpc
+
+class Target:
+    def __init__(self, rank):
+        self.rank = rank
+    def echo(self, obj):
+        return obj
+    def tag(self, obj):
+        return (self.rank, obj)
+    def total(self, arr):
+        return float(arr.sum())
+    def hang(self):
+        time.sleep(600)
+
+def local_worker(handle, rank):
+    rpc.serve_sync(handle, rank, Target(rank))
+
+client = rpc.Client(4, listen=sys.argv[1], secret=SECRET, heartbeat=1.0)
+# Start method: fork, before any event loop runs (a script given with -c cannot be spawned).
+ctx = multiprocessing.get_context("fork")
+procs = [ctx.Process(target=local_worker, args=(client.handle, r)) for r in (0, 1)]
+for p in procs:
+    p.start()
+say("ADDR", client.address)
+
+async def main():
+    async with client:
+        with anyio.fail_after(60):
+            await client.wait_workers()
+        say("READY")
+        arr = np.arange(64 << 10, dtype=np.float32)  # 256 KiB
+        with anyio.fail_after(60):
+            for i in range(300):
+                calls = [client.submit("echo", {"i": i, "k": k}) for k in range(8)]
+                calls.append(client.submit("tag", i, workers=[3, 0]))
+                if i % 16 == 0:
+                    calls.append(client.submit("total", arr, unique_reply_rank=2))
+                results = [await c for c in calls]
+                assert all(r == [{"i": i, "k": k}] * 4 for k, r in enumerate(results[:8]))
+                assert results[8] == [(3, i), (0, i)]
+                if i % 16 == 0:
+                    assert results[9] == float(arr.sum())
+        say("CALLS", 300)
+        pending = client.submit("hang", workers=[3])
+        say("PENDING")
+        try:
+            with anyio.fail_after(30):
+                await pending
+        except PeerDied as exc:
+            say("PEERDIED", "|", exc)
+    for p in procs:
+        p.join(30)
+        say("LOCAL", p.exitcode)
+
+anyio.run(main)
+"""
+)
+
+# argv: client address, rank; a worker on the other side
+REMOTE_WORKER = (
+    PRELUDE
+    + """
+from aioshmq import rpc
+
+class Target:
+    def __init__(self, rank):
+        self.rank = rank
+    def echo(self, obj):
+        return obj
+    def tag(self, obj):
+        return (self.rank, obj)
+    def total(self, arr):
+        return float(arr.sum())
+    def hang(self):
+        time.sleep(600)
+
+rank = int(sys.argv[2])
+say("SERVING", rank)
+rpc.serve_sync(sys.argv[1], rank, Target(rank), secret=SECRET, heartbeat=1.0)
+say("DONE", rank)
+"""
+)
+
+
+@pytest.mark.timeout(120)
+def test_rpc_with_workers_on_both_sides(pair: Pair, kids: Children) -> None:
+    """4 workers, 2 of them across the link: every result right; one remote worker killed
+    fails its call with PeerDied within the heartbeat, and the other workers end cleanly."""
+    scheduler = kids.start("scheduler (A)", pair.a, SCHEDULER, "tcp://0.0.0.0:0")
+    (address,) = scheduler.expect("ADDR", ATTACH)
+    far = f"tcp://{pair.a_ip}:{port_of(address)}"
+    workers = [kids.start(f"worker {r} (B)", pair.b, REMOTE_WORKER, far, r) for r in (2, 3)]
+    scheduler.expect("READY", ATTACH * 2)
+    assert scheduler.expect("CALLS", 60) == ["300"]
+    scheduler.expect("PENDING", EXIT)
+    workers[1].kill()
+    killed = time.monotonic()
+    said = scheduler.expect("PEERDIED", EXIT)
+    assert time.monotonic() - killed < 1.0 + 5
+    assert "worker" in " ".join(said)
+    assert scheduler.expect("LOCAL", EXIT) == ["0"]
+    assert scheduler.expect("LOCAL", EXIT) == ["0"]
+    scheduler.ok(EXIT)
+    assert workers[0].expect("DONE", EXIT) == ["2"]
+    workers[0].ok(EXIT)
