@@ -317,15 +317,15 @@ def test_connections_reset_mid_stream_lose_nothing_and_repeat_nothing() -> None:
 async def test_a_reader_slower_than_the_heartbeat_after_the_end_still_gets_everything() -> None:
     """Once the stream ended the writer's side is gone: the rest waits in the reader's
     process, however long its reader takes."""
-    w = aioshmq.create(1 << 16, 16, listen="tcp://127.0.0.1:0", secret=SECRET, heartbeat=0.3)
+    w = aioshmq.create(1 << 16, 16, listen="tcp://127.0.0.1:0", secret=SECRET, heartbeat=1.0)
     assert w.address is not None
-    with aioshmq.connect(w.address, secret=SECRET, heartbeat=0.3) as r:
+    with aioshmq.connect(w.address, secret=SECRET, heartbeat=1.0) as r:
         for i in range(21):  # more than the reader's local ring holds
             await w.put(i)
         await anyio.to_thread.run_sync(w.close)  # returns once the reader has all
         assert r.statistics().messages_available == 16  # the rest waits in the link
         assert await r.get() == 0
-        await anyio.to_thread.run_sync(time.sleep, 1.0)  # reading slower than 0.3 s beats
+        await anyio.to_thread.run_sync(time.sleep, 2.5)  # slower than the 1 s heartbeat
         with anyio.fail_after(10):
             assert [msg async for msg in r] == list(range(1, 21))
 

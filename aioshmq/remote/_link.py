@@ -160,9 +160,9 @@ class Link:
                     continue
             now = time.monotonic()
             wait = max(min(beat - (now - sent), timeout - (now - heard)), 0)
+            # Silence is judged only after a poll that saw nothing: what arrived while this
+            # thread did not run (a starved or frozen process) is read first.
             events = dict(poller.poll(int(wait * 1000) + 1))
-            if time.monotonic() - now > wait + timeout / 2:
-                heard = max(heard, time.monotonic() - timeout / 2)  # this one was frozen
             if sleeping:
                 ring.end_sleep()
             if writer._wake.read_fd in events:

@@ -124,16 +124,13 @@ class Server:
         poller.register(self._zap, zmq.POLLIN)
         poller.register(self._stop_r, zmq.POLLIN)
         registered: set[int] = set()
-        last = time.monotonic()
         while True:
+            # What arrived while this thread did not run (a starved or frozen process) is
+            # taken in before anyone's silence is judged: only the peer's own silence counts.
+            while not self._receive():
+                pass
             now = time.monotonic()
             timeout = self.heartbeat / 3
-            if now - last > self.heartbeat / 2:
-                # This thread itself did not run for a while (a frozen or starved process):
-                # silence meanwhile says nothing about the readers.  Give them a new chance.
-                for remote in self._remotes.values():
-                    remote.heard = max(remote.heard, now - remote.heartbeat / 2)
-            last = now
             for remote in list(self._remotes.values()):
                 if now - remote.heard > remote.heartbeat:
                     self._drop(remote, dead=True)
@@ -213,12 +210,13 @@ class Server:
             return
         remote.sent_at = time.monotonic()
 
-    def _receive(self) -> None:
+    def _receive(self) -> bool:
+        """Handle what the remote readers sent, 256 messages at most; True once none is left."""
         for _ in range(256):  # then the rings get their turn again
             try:
                 frames = self._router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return
+                return True
             self.requests += 1
             if len(frames) != 2 or not frames[1]:
                 continue
@@ -251,6 +249,7 @@ class Server:
                 if remote is not None and rid in self._remotes:
                     self._drop(remote, dead=True)
                 self._refuse(rid, "request", str(exc))
+        return False
 
     def _hello(self, rid: bytes, body: bytes, remote: _Remote | None) -> None:
         hello = W.unpack_json(body)
