@@ -35,6 +35,14 @@ def anyio_backend(request: pytest.FixtureRequest) -> Any:
     return request.param
 
 
+# For tests that start processes and wait for heartbeats: asyncio in the default tier,
+# uvloop and trio in the slow one (CI runs both).
+BACKENDS_ASYNCIO_FIRST = [
+    BACKENDS[0],
+    *(pytest.param(*p.values, id=p.id, marks=pytest.mark.slow) for p in BACKENDS[1:]),
+]
+
+
 def pytest_asyncio_loop_factories(
     config: pytest.Config, item: pytest.Item
 ) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:

@@ -194,6 +194,7 @@ def _check_remote_rows(results: list[dict[str, Any]]) -> None:
     assert all(r["value"] >= 100 for r in wire.values()), wire
 
 
+@pytest.mark.slow  # the every-scenario run checks the same rows in the slow tier too
 @pytest.mark.timeout(REMOTE_TIMEOUT + 5)
 def test_bench_tiny_remote_run_reports_its_rows(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"

@@ -12,6 +12,7 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
+from conftest import BACKENDS_ASYNCIO_FIRST
 
 import aioshmq
 
@@ -314,6 +315,7 @@ def test_connections_reset_mid_stream_lose_nothing_and_repeat_nothing() -> None:
         assert w._relay.resends >= 3  # the connection really dropped, and records went again
 
 
+@pytest.mark.parametrize("anyio_backend", BACKENDS_ASYNCIO_FIRST)
 async def test_a_reader_slower_than_the_heartbeat_after_the_end_still_gets_everything() -> None:
     """Once the stream ended the writer's side is gone: the rest waits in the reader's
     process, however long its reader takes."""

@@ -8,11 +8,16 @@ from typing import Any
 
 import anyio
 import pytest
+from conftest import BACKENDS_ASYNCIO_FIRST, Children
 
 import aioshmq
-from tests.conftest import Children
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=BACKENDS_ASYNCIO_FIRST)
+def anyio_backend(request: pytest.FixtureRequest) -> Any:
+    return request.param
 
 SECRET = b"test-secret-" + b"s" * 20
 HEARTBEAT = 1.5

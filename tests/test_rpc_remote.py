@@ -9,12 +9,17 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
+from conftest import BACKENDS_ASYNCIO_FIRST, Children, backend_name, run_backend
 
 import aioshmq
 from aioshmq import rpc
-from tests.conftest import Children, backend_name, run_backend
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=BACKENDS_ASYNCIO_FIRST)
+def anyio_backend(request: pytest.FixtureRequest) -> Any:
+    return request.param
 
 SECRET = b"test-secret-" + b"r" * 20
 HEARTBEAT = 1.5
