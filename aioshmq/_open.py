@@ -95,8 +95,9 @@ def connect(
 
     ``serializer`` defaults to the writer's (it must be given when the writer uses a custom
     one).  ``timeout`` bounds the wait for the writer to answer.  ``spin`` is how long (in
-    seconds) an async get keeps yielding to the event loop and looking at the ring before
+    seconds) an async get may keep yielding to the event loop and looking at the ring before
     it goes to sleep: a message that arrives meanwhile needs no wake-up.  0 sleeps at once.
+    The reader spins only while spinning catches messages (see ``_spin.Spin``).
     A ring served by a process of another user is refused (its messages could run code in
     this process) unless that user's uid is in ``trusted_uids``.  A connect that fails
     leaves the slot exactly as it was.

@@ -24,6 +24,7 @@ from ._layout import Layout
 from ._ring import RingReader, decode
 from ._segment import Segment
 from ._serialize import SerializerSpec, resolve
+from ._spin import Spin
 
 T = TypeVar("T")
 
@@ -62,8 +63,9 @@ def connect(
 
     ``serializer`` defaults to the writer's (it must be given when the writer uses a custom
     one).  ``timeout`` bounds the wait for the writer to answer.  ``spin`` is how long (in
-    seconds) an async get keeps yielding to the event loop and looking at the ring before
+    seconds) an async get may keep yielding to the event loop and looking at the ring before
     it goes to sleep: a message that arrives meanwhile needs no wake-up.  0 sleeps at once.
+    The reader spins only while spinning catches messages (see ``_spin.Spin``).
     A ring served by a process of another user is refused (its messages could run code in
     this process) unless that user's uid is in ``trusted_uids``.  A connect that fails
     leaves the slot exactly as it was.
@@ -148,7 +150,7 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         self._messages = 0
         self._bytes = 0
         self._deferred: BaseException | None = None
-        self._spin = spin
+        self._spinner = Spin(spin)
         self._pending: collections.deque[Any] = collections.deque()  # the rest of a batch
         self._pidfd = -1
         self._epoll: select.epoll | None = None
@@ -280,16 +282,19 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
 
     async def _wait(self) -> None:
         ring = self._ring
-        if self._spin:
+        spin = self._spinner.budget()
+        if spin:
             # Yield to the loop (never block it) for a moment: when messages come fast,
             # the next one arrives meanwhile and neither side makes a wake-up syscall.
-            deadline = time.monotonic() + self._spin
+            deadline = time.monotonic() + spin
             while True:
                 await checkpoint()
                 self._check()
                 if ring.available() or ring.w[ring.w_closed]:
+                    self._spinner.hit()
                     return
                 if time.monotonic() >= deadline:
+                    self._spinner.miss()
                     break
         token = self._hold(True)
         try:

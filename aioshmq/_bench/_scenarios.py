@@ -8,7 +8,9 @@ fails is reported as failed and the run goes on.
 from __future__ import annotations
 
 import importlib.util
+import os
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -274,8 +276,20 @@ async def _pingpong(peer: Peer, workload: Workload, budget: Budget) -> list[floa
     return samples
 
 
-def _latency(bench: Bench, peer: Peer, params: dict[str, Any]) -> dict[str, float]:
-    samples = run_backend("asyncio", _pingpong, peer, Workload("small"), bench.budget)
+def _latency(
+    bench: Bench, peer: Peer, params: dict[str, Any], *, hogs: int = 0
+) -> dict[str, float]:
+    """Round trips; with ``hogs``, that many busy-looping processes load the CPUs meanwhile."""
+    busy = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+        for _ in range(hogs)
+    ]
+    try:
+        samples = run_backend("asyncio", _pingpong, peer, Workload("small"), bench.budget)
+    finally:
+        for proc in busy:
+            proc.kill()
+            proc.wait()
     samples.sort()
     params["round_trips"] = len(samples)
     return {
@@ -461,6 +475,18 @@ def latency(bench: Bench) -> None:
             {"object_bytes": 100, "how": peer.how, "backend": "asyncio"},
             partial(_latency, bench, peer),
             absent=peer.missing(),
+        )
+    # A busy machine: as many busy-looping processes as CPUs.  A reader that spins there
+    # takes the CPU its peer needs; the default (adaptive) spin must not lose to spin=0.
+    hogs = len(os.sched_getaffinity(0))
+    for peer, how in ((AIOSHMQ, "two rings, default spin"), (AIOSHMQ_ASLEEP, AIOSHMQ_ASLEEP.how)):
+        bench.measure(
+            "latency",
+            f"round trip, {hogs} busy processes beside",
+            "aioshmq" if peer is AIOSHMQ else "aioshmq spin=0",
+            {"p50": "us", "p99": "us"},
+            {"object_bytes": 100, "how": how, "backend": "asyncio", "busy_processes": hogs},
+            partial(_latency, bench, peer, hogs=hogs),
         )
 
 
