@@ -327,7 +327,7 @@ class _ZmqTcpSender(Sender):
                 self._sock.curve_publickey = keys.server_public
             self._sock.sndhwm = channel.depth
             self._sock.sndtimeo = int(SYNC_TIMEOUT * 1000)
-            self._sock.bind(LOOPBACK)
+            self._sock.bind(channel.endpoint())
             _publish(channel.path, self._sock.get_string(zmq.LAST_ENDPOINT))
         except BaseException:
             self.close()
@@ -386,6 +386,10 @@ class ZmqTcpChannel(Channel):
     """
 
     curve = False  # encrypt with CurveZMQ, as aioshmq's remote path does with a secret
+
+    def endpoint(self) -> str:
+        """Where the sender binds."""
+        return LOOPBACK
 
     def _make(self) -> None:
         tag = f"{os.getpid()}-{secrets.token_hex(6)}"
@@ -789,6 +793,26 @@ ZMQ_TCP = Peer(
     ZmqTcpChannel,
     "sync PUSH/PULL over tcp://127.0.0.1, pickle protocol 5 (no encryption)",
     "-",
+    ("zmq",),
+)
+
+
+class ZmqIpcChannel(ZmqTcpChannel):
+    """``ZmqTcpChannel`` over an ipc:// path: sync pyzmq on one host, no event loop."""
+
+    def endpoint(self) -> str:
+        return f"ipc://{self.path}.ipc"
+
+    def close(self) -> None:
+        super().close()
+        _remove_own(self.owner, f"{self.path}.ipc")
+
+
+ZMQ_SYNC = Peer(
+    "pyzmq",
+    ZmqIpcChannel,
+    "sync PUSH/PULL over ipc://, pickle protocol 5 (no event loop)",
+    "a list of 64 per send",
     ("zmq",),
 )
 

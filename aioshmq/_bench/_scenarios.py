@@ -48,6 +48,7 @@ from ._peers import (
     VLLM,
     VLLM_MAX_CHUNKS,
     ZMQ,
+    ZMQ_SYNC,
     ZMQ_TCP,
     ZMQ_TCP_CURVE,
     AioshmqMirrorChannel,
@@ -349,7 +350,7 @@ def small(bench: Bench) -> None:
     """100-byte objects, 1 writer -> 1 reader: one per put, and in batches of 64."""
     workload = Workload("small")
     for case, batch in (("one per put", None), ("batches of 64", 64)):
-        for peer in (AIOSHMQ, MP_QUEUE, ZMQ, FASTER_FIFO, VLLM):
+        for peer in (AIOSHMQ, MP_QUEUE, ZMQ, ZMQ_SYNC, FASTER_FIFO, VLLM):
             params: dict[str, Any] = {
                 "readers": 1,
                 "object_bytes": 100,
