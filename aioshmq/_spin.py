@@ -10,12 +10,13 @@ class Spin:
     """A reader's spin budget, between 0 and ``limit`` seconds.
 
     A spin that catches a message (it arrived before the budget ran out, with no wake-up
-    syscall on either side) doubles the budget, up to ``limit``; one that runs out halves
-    it, down to nothing.  So on a loaded machine, where a spinning reader takes the CPU its
-    writer needs and the spins catch nothing, the reader soon sleeps at once, as with
-    ``spin=0``; every ``PROBE_EVERY`` sleeps it tries a short spin again, in case the machine
-    has a CPU to spare by then.  While spins keep catching messages, it spins as long as
-    allowed.
+    syscall on either side) adds ``PROBE`` to the budget, up to ``limit``; one that runs out
+    halves it, down to nothing: slow to grow, quick to shrink, since a spin that fails cost
+    its whole budget in CPU the writer may have needed.  So on a loaded machine, where a
+    spinning reader takes the CPU its writer needs and the spins catch nothing, the reader
+    soon sleeps at once, as with ``spin=0``; every ``PROBE_EVERY`` sleeps it tries a short
+    spin again, in case the machine has a CPU to spare by then.  While spins keep catching
+    messages, it spins as long as allowed.
     """
 
     __slots__ = ("caught", "limit", "missed", "now", "sleeps")
@@ -40,7 +41,7 @@ class Spin:
     def hit(self) -> None:
         """The spin caught a message."""
         self.caught += 1
-        self.now = min(self.limit, max(self.now * 2, PROBE))
+        self.now = min(self.limit, self.now + PROBE)
 
     def miss(self) -> None:
         """The spin ran out: the reader sleeps after all."""

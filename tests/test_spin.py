@@ -9,7 +9,7 @@ import aioshmq
 from aioshmq._spin import PROBE, PROBE_EVERY, Spin
 
 
-def test_misses_halve_the_budget_down_to_nothing_and_hits_double_it() -> None:
+def test_misses_halve_the_budget_down_to_nothing_and_hits_grow_it_slowly() -> None:
     spin = Spin(200e-6)
     assert spin.budget() == 200e-6
     for expected in (100e-6, 50e-6, 25e-6, 0.0):
@@ -17,10 +17,12 @@ def test_misses_halve_the_budget_down_to_nothing_and_hits_double_it() -> None:
         assert spin.now == pytest.approx(expected)
     spin.hit()
     assert spin.now == PROBE
+    spin.hit()
+    assert spin.now == pytest.approx(2 * PROBE)
     for _ in range(10):
         spin.hit()
     assert spin.now == 200e-6  # never above the limit
-    assert (spin.caught, spin.missed) == (11, 4)
+    assert (spin.caught, spin.missed) == (12, 4)
 
 
 def test_with_nothing_left_it_tries_a_short_spin_now_and_then() -> None:

@@ -278,16 +278,21 @@ async def _pingpong(peer: Peer, workload: Workload, budget: Budget) -> list[floa
 
 
 def _latency(
-    bench: Bench, peer: Peer, params: dict[str, Any], *, hogs: int = 0
+    bench: Bench, peer: Peer, params: dict[str, Any], *, hogs: int = 0, one_cpu: bool = False
 ) -> dict[str, float]:
-    """Round trips; with ``hogs``, that many busy-looping processes load the CPUs meanwhile."""
+    """Round trips; with ``hogs``, that many busy-looping processes load the CPUs meanwhile;
+    with ``one_cpu``, both processes of the ping-pong share one CPU."""
     busy = [
         subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
         for _ in range(hogs)
     ]
+    cpus = os.sched_getaffinity(0)
+    if one_cpu:  # the processes started meanwhile inherit it
+        os.sched_setaffinity(0, {min(cpus)})
     try:
         samples = run_backend("asyncio", _pingpong, peer, Workload("small"), bench.budget)
     finally:
+        os.sched_setaffinity(0, cpus)
         for proc in busy:
             proc.kill()
             proc.wait()
@@ -488,6 +493,17 @@ def latency(bench: Bench) -> None:
             {"p50": "us", "p99": "us"},
             {"object_bytes": 100, "how": how, "backend": "asyncio", "busy_processes": hogs},
             partial(_latency, bench, peer, hogs=hogs),
+        )
+    # Both sides on one CPU: a spinning reader then keeps its writer off the CPU for the
+    # whole spin, which is when a fixed spin cost 5x spin=0's round trip.
+    for peer, how in ((AIOSHMQ, "two rings, default spin"), (AIOSHMQ_ASLEEP, AIOSHMQ_ASLEEP.how)):
+        bench.measure(
+            "latency",
+            "round trip, both processes on one CPU",
+            "aioshmq" if peer is AIOSHMQ else "aioshmq spin=0",
+            {"p50": "us", "p99": "us"},
+            {"object_bytes": 100, "how": how, "backend": "asyncio", "cpus": 1},
+            partial(_latency, bench, peer, one_cpu=True),
         )
 
 
