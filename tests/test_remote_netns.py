@@ -620,3 +620,39 @@ def test_rpc_with_workers_on_both_sides(pair: Pair, kids: Children) -> None:
     scheduler.ok(EXIT)
     assert workers[0].expect("DONE", EXIT) == ["2"]
     workers[0].ok(EXIT)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("victim", ["reader", "mirror"])
+def test_a_killed_reader_or_mirror_across_the_link_is_a_dead_reader(
+    pair: Pair, kids: Children, victim: str
+) -> None:
+    """SIGKILL the remote reader (or the mirror carrying the slot) in B: the writer in A gets
+    PeerDied for the slot within the heartbeat (plus a margin); the mirror's own readers
+    get every message that arrived, in order, then PeerDied."""
+    beat = 1.0
+    writer = kids.start(
+        "writer (A)", pair.a, WRITE_INTS, f"tcp://{pair.a_ip}:0", -1, beat, 1 << 16, 256
+    )
+    (address,) = writer.expect("ADDR", ATTACH)
+    far = f"tcp://{pair.a_ip}:{port_of(address)}"
+    local = None
+    if victim == "reader":
+        target = kids.start("reader (B)", pair.b, READ_INTS, far, 0, beat, 1000)
+    else:
+        name = f"netns-mirror-{os.getpid()}"
+        target = kids.start("mirror (B)", pair.b, MIRROR, far, 0, 1, name)
+        target.expect("MIRROR", ATTACH)
+        local = kids.start("mirror's reader (B)", pair.b, READ_LOCAL_INTS, name, 0)
+    writer.expect("ATTACHED", ATTACH)
+    (local or target).expect("GOT", ATTACH)  # the stream flows
+    target.kill()
+    killed = time.monotonic()
+    words = writer.expect("PEERDIED", EXIT)
+    assert float(words[2]) - killed < beat + 3  # the child's clock is the same monotonic one
+    assert "remote reader" in " ".join(words)
+    writer.expect("CLOSED", EXIT)
+    writer.ok(EXIT)
+    if local is not None:  # the mirror died: its reader got a gapless prefix, then PeerDied
+        local.expect("PEERDIED", EXIT)
+        local.ok(EXIT)
