@@ -99,6 +99,24 @@ class RemoteError(Exception):
 
 # Reply values of these types always load: they travel as they are, never boxed.
 _PLAIN = frozenset({int, float, str, bytes, bool, type(None)})
+_CONTAINERS = frozenset({tuple, list, dict})
+_LOOK_AT = 64  # items of a container looked into before it is boxed anyway
+
+
+def _always_loads(value: Any, depth: int = 3) -> bool:
+    """Whether ``value`` is made of builtins only (a small dict of str and numbers, say), so
+    that it loads in any process and needs no box of its own: boxing costs a second pickle
+    on the worker and a second load in the client."""
+    kind = type(value)
+    if kind in _PLAIN:
+        return True
+    if kind not in _CONTAINERS or depth == 0 or len(value) > _LOOK_AT:
+        return False
+    if kind is dict:
+        return all(
+            type(k) in _PLAIN and _always_loads(v, depth - 1) for k, v in value.items()
+        )
+    return all(_always_loads(item, depth - 1) for item in value)
 
 
 class _Boxed:
@@ -979,7 +997,7 @@ class _Worker:
 
     def result(self, cid: int, result: Any) -> _Reply:
         """The reply carrying a call's result; an error reply if it does not serialize."""
-        if self.boxes and type(result) not in _PLAIN:
+        if self.boxes and not _always_loads(result):
             try:
                 main, buffers = self.ser.dumps(result)
             except Exception as exc:

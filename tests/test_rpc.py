@@ -625,3 +625,15 @@ def test_a_client_left_open_is_closed_when_its_event_loop_ends(anyio_backend: An
     assert calls[0].done()
     with pytest.raises(anyio.ClosedResourceError):
         anyio.run(calls[0].wait)
+
+
+def test_replies_made_of_builtins_travel_unboxed() -> None:
+    """Only a value that might not load in the client gets a box (a pickle of its own)."""
+    from aioshmq.rpc import _always_loads
+
+    assert _always_loads({"i": 1, "text": "x", "nested": [1.5, (b"b", None, True)]})
+    assert not _always_loads({"i": object()})
+    assert not _always_loads([[[[1]]]])  # deeper than it looks
+    assert not _always_loads(list(range(1000)))  # longer than it looks at
+    assert not _always_loads({(1, 2): 3})  # a key that is not a plain value
+    assert not _always_loads(RuntimeError("x"))
