@@ -511,10 +511,10 @@ def test_arrays_through_mirror_stress(pair: Pair, kids: Children) -> None:
 # argv: listen; the scheduler: an rpc client of 4 workers (ranks 0 and 1 local, spawned
 # here; 2 and 3 on the other side), the scheduler example's kinds of calls, then a call on
 # the worker the test kills.
-SCHEDULER = (
+# What every rpc worker of these tests serves, local or remote.
+RPC_PRELUDE = (
     PRELUDE
     + """
-import multiprocessing
 from aioshmq import rpc
 
 class Target:
@@ -528,6 +528,13 @@ class Target:
         return float(arr.sum())
     def hang(self):
         time.sleep(600)
+"""
+)
+
+SCHEDULER = (
+    RPC_PRELUDE
+    + """
+import multiprocessing
 
 def local_worker(handle, rank):
     rpc.serve_sync(handle, rank, Target(rank))
@@ -575,21 +582,8 @@ anyio.run(main)
 
 # argv: client address, rank; a worker on the other side
 REMOTE_WORKER = (
-    PRELUDE
+    RPC_PRELUDE
     + """
-from aioshmq import rpc
-
-class Target:
-    def __init__(self, rank):
-        self.rank = rank
-    def echo(self, obj):
-        return obj
-    def tag(self, obj):
-        return (self.rank, obj)
-    def total(self, arr):
-        return float(arr.sum())
-    def hang(self):
-        time.sleep(600)
 
 rank = int(sys.argv[2])
 say("SERVING", rank)
