@@ -12,9 +12,11 @@ from ._errors import (
 from ._handle import Handle
 from ._open import connect, create
 from ._reader import Lease, Reader, ReaderStatistics
+from ._switch import CORE
 from ._writer import Writer, WriterStatistics
 
 __all__ = [
+    "CORE",
     "CorruptedError",
     "Empty",
     "Full",

@@ -26,6 +26,13 @@ CPython, and keeps every use of them behind the names in this module:
    lock is a pthread mutex/semaphore or, from 3.13, an atomic compare-exchange).  On aarch64
    the fence is a ``dmb ish`` run from a tiny code page through ctypes.
 
+With the compiled core (``_switch``), the per-message paths use C11 atomics instead (see
+``_ringcore_c.c`` and ARCHITECTURE.md): release stores publish, acquire loads observe, and
+``atomic_thread_fence(memory_order_seq_cst)`` is the full fence, so the argument for them
+is the compiler's and the hardware's.  The three functions below are then that module's
+fences too, for the code that stays in Python (on aarch64 no executable page is made, which
+a W^X-hardened system would refuse).  The tricks above serve the pure core alone.
+
 Other architectures are refused at import rather than run without a proven fence.
 """
 
@@ -36,6 +43,8 @@ import mmap
 import platform
 import threading
 from collections.abc import Callable
+
+from . import _switch
 
 __all__ = ["ARCH", "acquire", "fence", "release"]
 
@@ -69,13 +78,19 @@ def _code_fence(code: bytes) -> tuple[Callable[[], None], mmap.mmap]:
     return ctypes.CFUNCTYPE(None)(address), page
 
 
-if ARCH in _X86:
-    fence: Callable[[], None] = _lock_fence()
-    release: Callable[[], None] = _noop
-    acquire: Callable[[], None] = _noop
-elif ARCH in _ARM:
+if ARCH not in _X86 + _ARM:  # pragma: no cover - refused on purpose
+    raise ImportError(f"aioshmq supports x86-64 and aarch64; no proven memory fence for {ARCH!r}")
+if _switch.COMPILED:
+    from . import _ringcore_c
+
+    fence: Callable[[], None] = _ringcore_c.fence
+    release: Callable[[], None] = _ringcore_c.release
+    acquire: Callable[[], None] = _ringcore_c.acquire
+elif ARCH in _X86:
+    fence = _lock_fence()
+    release = _noop
+    acquire = _noop
+else:
     # dmb ish; ret
     _fn, _page = _code_fence(bytes.fromhex("bf3b03d5") + bytes.fromhex("c0035fd6"))
     fence = release = acquire = _fn
-else:  # pragma: no cover - refused on purpose
-    raise ImportError(f"aioshmq supports x86-64 and aarch64; no proven memory fence for {ARCH!r}")

@@ -59,6 +59,16 @@ BATCH = 0x20  # flag on MSG: the payload is one serialized list of aux messages
 KIND_MASK = 0x0F
 
 
+def writer_word_index(field: int) -> int:
+    """Index of a writer-line field in the segment's u64 view."""
+    return WRITER_LINE // 8 + field
+
+
+def reader_word_index(index: int, field: int) -> int:
+    """Index of a field of reader line ``index`` in the segment's u64 view."""
+    return (READER_LINES + index * LINE) // 8 + field
+
+
 def align(n: int, to: int) -> int:
     return (n + to - 1) & ~(to - 1)
 
@@ -95,11 +105,11 @@ class Layout:
 
     def reader_word(self, index: int, field: int) -> int:
         """Index of a reader-line field in the segment's u64 view."""
-        return (READER_LINES + index * LINE) // 8 + field
+        return reader_word_index(index, field)
 
     @staticmethod
     def writer_word(field: int) -> int:
-        return WRITER_LINE // 8 + field
+        return writer_word_index(field)
 
     def write_header(self, buf: memoryview, writer_pid: int) -> None:
         _HEADER.pack_into(

@@ -40,6 +40,8 @@ class Notifier:
         raise ValueError(f"notifier must be 'eventfd' or 'pipe', not {kind!r}")
 
     def signal(self) -> None:
+        if self.write_fd < 0:
+            return  # closed: a wake-up for nobody (never a write to a reused fd number)
         try:
             os.write(self.write_fd, _ONE if self.kind == "eventfd" else b"\0")
         except BlockingIOError:

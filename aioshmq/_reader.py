@@ -177,7 +177,7 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
                 self._epoll.register(self._pidfd, select.EPOLLIN)
             self._wait_fd = self._epoll.fileno()
             confirm(att, name)  # from here on the slot is this reader's
-            self._ring = RingReader(self._seg, self._layout, index, self._writer_wake.signal)
+            self._ring = RingReader(self._seg, self._layout, index, self._writer_wake)
         except BaseException:
             if self._epoll is not None:
                 self._epoll.close()
@@ -370,15 +370,8 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
             await cancelled()
         if not self._lock.locked():
             if not self._pending and self._deferred is None:
-                ring = self._ring
-                view = ring.take_plain()
-                if view is not None:
-                    try:
-                        obj = self._loads_plain(view)
-                    finally:
-                        ring.consume_plain(view)
-                    self._messages += 1
-                    self._bytes += len(view)
+                obj = self._ring.get_plain(self._loads_plain, _EMPTY)
+                if obj is not _EMPTY:
                     return obj  # type: ignore[no-any-return]
             obj = self._poll()
             if obj is not _EMPTY:
@@ -466,8 +459,8 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
             reader=self._index,
             messages_available=max(head_count - ring.count, 0) + len(self._pending),
             bytes_available=ring.head - ring.tail,
-            messages_received=self._messages,
-            bytes_received=self._bytes,
+            messages_received=self._messages + ring.taken,
+            bytes_received=self._bytes + ring.taken_bytes,
             tasks_waiting_receive=self._waiting,
             wakeups_sent=ring.wakeups,
         )
@@ -495,6 +488,7 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
     def _release(self, *, clean: bool) -> None:
         if clean and self._bye:
             self._say_bye()
+        self._seg.close()  # first: the ring core then no longer signals the fds below
         self._sock.close()
         if self._epoll is not None:
             self._epoll.close()
@@ -502,7 +496,7 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
             os.close(self._pidfd)
         for fd in {*self._wake.fds(), *self._writer_wake.fds()}:
             os.close(fd)
-        self._seg.close()
+        self._writer_wake.read_fd = self._writer_wake.write_fd = -1
         if self._tied is not None and clean:
             self._tied()
 

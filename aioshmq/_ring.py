@@ -15,12 +15,17 @@ from collections.abc import Callable, Sequence
 from typing import Final
 
 from . import _layout as L
+from . import _switch
 from ._atomics import acquire, fence, release
 from ._errors import CorruptedError, busy
 from ._layout import Layout, record_size
 from ._notify import Notifier
+from ._ringcore import ReaderCore, WriterCore
 from ._segment import Segment
 from ._serialize import Buffer
+
+if _switch.COMPILED:
+    from ._ringcore_c import ReaderCore, WriterCore  # noqa: F811 - the switch
 
 PENDING: Final = 0  # never attached: keeps every message for the reader to come
 ATTACHED: Final = 1
@@ -136,10 +141,17 @@ class Gate:
         self.states = [PENDING] * readers
 
 
-class RingWriter:
-    """The writer's side: reserve space, write records, publish, and wake sleeping readers."""
+class RingWriter(WriterCore):
+    """The writer's side: reserve space, write records, publish, and wake sleeping readers.
+
+    The per-message work is the core's (compiled or pure, see ``_switch``).
+    """
 
     def __init__(self, seg: Segment, layout: Layout, gate: Gate, wake: list[Notifier]) -> None:
+        super().__init__(
+            seg.mapping, layout.data_offset, layout.capacity, layout.max_messages, layout.readers, wake
+        )
+        seg.track(self)  # the core lets go of the memory before the segment unmaps it
         self.seg = seg
         self.layout = layout
         self.gate = gate
@@ -154,18 +166,16 @@ class RingWriter:
         self.r_tail = [layout.reader_word(i, L.R_TAIL) for i in range(layout.readers)]
         self.r_count = [layout.reader_word(i, L.R_TAIL_COUNT) for i in range(layout.readers)]
         self.r_sleep = [layout.reader_word(i, L.R_SLEEP) for i in range(layout.readers)]
-        self.signalled = [0] * layout.readers
-        self.pos = 0  # write cursor; > head while records are written but not published
-        self.count = 0
-        self.head = 0
-        self.head_count = 0
-        self.limit_pos = self.cap  # the cursor may advance up to here without re-checking
-        self.limit_count = layout.max_messages
-        self.wakeups = 0
-        self.publishes = 0
         self.episode = _episode()
-        self.need = (0, 0)  # (bytes, messages) the last failed write was waiting for
-        self.max_record = layout.max_record
+
+    @property
+    def need(self) -> tuple[int, int]:
+        """(bytes, messages) the last failed write was waiting for."""
+        return self.need_span, self.need_count
+
+    @need.setter
+    def need(self, value: tuple[int, int]) -> None:
+        self.need_span, self.need_count = value
 
     # -- space -------------------------------------------------------------------------
 
@@ -230,34 +240,6 @@ class RingWriter:
         self.count += frame.count
         return True
 
-    def put_plain(self, main: Buffer, kind: int = L.MSG, count: int = 1) -> bool:
-        """Write and publish one record without buffers if there is room now: the hot path."""
-        n = len(main)
-        size = record_size(n)
-        if size > self.max_record:
-            return False
-        pos = self.pos
-        off = pos % self.cap
-        span = self.cap - off + size if off + size > self.cap else size
-        if (pos + span > self.limit_pos or self.count + count > self.limit_count) and not (
-            self._room(span, count)
-        ):
-            self.need = (span, count)
-            return False
-        if span != size:
-            off = self._place(size)
-            pos = self.pos
-        i = off >> 3
-        q = self.q
-        q[i] = (n << 8) | kind
-        q[i + 1] = count if count > 1 else 0
-        start = off + L.HEADER_SIZE
-        self.data[start : start + n] = main
-        self.pos = pos + size
-        self.count += count
-        self.publish()
-        return True
-
     def try_write_fragment(self, frame: Frame, done: int) -> int:
         """Write the next fragment of a message too big for one record; bytes now written."""
         chunk = min(self.layout.fragment_payload, frame.length - done)
@@ -287,27 +269,6 @@ class RingWriter:
     def rollback(self, pos: int, count: int) -> None:
         """Forget records written since (pos, count) but not published."""
         self.pos, self.count = pos, count
-
-    def publish(self) -> None:
-        if self.pos == self.head:
-            return
-        release()
-        w = self.w
-        w[self.w_count] = self.count
-        w[self.w_head] = self.pos
-        self.head, self.head_count = self.pos, self.count
-        self.publishes += 1
-        fence()
-        self._wake_readers()
-
-    def _wake_readers(self) -> None:
-        w = self.w
-        for i, idx in enumerate(self.r_sleep):
-            s = w[idx]
-            if s and s != self.signalled[i]:
-                self.signalled[i] = s
-                self.wake[i].signal()
-                self.wakeups += 1
 
     def close(self, broken: bool = False) -> None:
         """Mark the stream ended after what was published, and wake every sleeper.
@@ -428,63 +389,40 @@ class RingWriter:
         return self.head_count - min(lo_count, self.head_count), self.head - min(lo_pos, self.head)
 
 
-class RingReader:
-    """Reader ``index``'s side: read records in order, publish its tail, wake the writer."""
+class RingReader(ReaderCore):
+    """Reader ``index``'s side: read records in order, publish its tail, wake the writer.
 
-    def __init__(
-        self,
-        seg: Segment,
-        layout: Layout,
-        index: int,
-        wake_writer: Callable[[], None],
-    ) -> None:
+    The per-message work is the core's (compiled or pure, see ``_switch``).
+    """
+
+    def __init__(self, seg: Segment, layout: Layout, index: int, wake_writer: Notifier) -> None:
+        seg.words[layout.reader_word(index, L.R_PID)] = os.getpid()  # for a reader of the ring
+        super().__init__(
+            seg.mapping,
+            layout.data_offset,
+            layout.capacity,
+            layout.max_messages,
+            layout.readers,
+            index,
+            wake_writer,
+        )
+        seg.track(self)  # the core lets go of the memory before the segment unmaps it
         self.seg = seg
         self.layout = layout
-        self.index = index
         self.cap = layout.capacity
         self.data = seg.data
         self.q = seg.data_words()
         self.w = seg.words
         self.w_head = layout.writer_word(L.W_HEAD)
         self.w_closed = layout.writer_word(L.W_CLOSED)
-        self.w_sleep = layout.writer_word(L.W_SLEEP)
-        self.w_want_pos = layout.writer_word(L.W_WANT_POS)
-        self.w_want_count = layout.writer_word(L.W_WANT_COUNT)
         self.r_tail = layout.reader_word(index, L.R_TAIL)
         self.r_count = layout.reader_word(index, L.R_TAIL_COUNT)
         self.r_sleep = layout.reader_word(index, L.R_SLEEP)
-        self.w[layout.reader_word(index, L.R_PID)] = os.getpid()  # for a reader of the ring
-        self.tail = self.w[self.r_tail]
-        self.count = self.w[self.r_count]
-        self.head = self.tail
-        self.wake_writer = wake_writer
-        self.shown_tail, self.shown_count = self.tail, self.count
         self.episode = _episode()
-        self.wakeups = 0
-        self.messages = 1  # how many messages the record next() returned holds
-        self.pins: list[tuple[int, int]] = []  # records of leased messages, oldest first
-        self.partial: bytearray | None = None  # a fragmented message being reassembled
         self.spare: bytearray | None = None  # a finished lease's buffer, reused (no page faults)
         self.partial_kind = 0
         self.partial_len = 0
         self.partial_total = 0
-        self.skipping = False  # joined in the middle of a fragmented message
-
-    def available(self) -> bool:
-        return self.tail != self.head or self.refresh()
-
-    def refresh(self) -> bool:
-        """Load the published head; True if there is something past this reader's tail."""
-        self.head = head = self.w[self.w_head]
-        acquire()
-        if not 0 <= head - self.tail <= self.cap:
-            # The writer never runs more than a ring ahead of a reader it waits for.
-            self.head = self.tail
-            raise CorruptedError(
-                f"head {head} is {'behind' if head < self.tail else 'more than a ring ahead of'} "
-                f"reader {self.index}'s tail {self.tail}"
-            )
-        return self.tail != head
 
     def closed(self) -> bool:
         """True once the writer closed; call only when ``available()`` said False."""
@@ -492,52 +430,6 @@ class RingReader:
             return False
         acquire()
         return not self.available()
-
-    def next(self) -> tuple[memoryview, int, int] | None:
-        """The next whole message as (payload, kind, ring bytes), not consumed; None if none.
-
-        Fragments are reassembled as they arrive (consuming their records, so the writer can
-        stream a message larger than the ring); the message they form takes 0 ring bytes.
-        """
-        cap, q = self.cap, self.q
-        while self.tail != self.head or self.available():
-            off = self.tail % cap
-            word = q[off >> 3]
-            kind, length = word & 0xFF, word >> 8
-            end = off + L.HEADER_SIZE + length
-            if end > cap or self.tail + end - off > self.head:
-                raise CorruptedError(
-                    f"record at position {self.tail} (kind {kind}) claims {length} bytes, "
-                    f"past the {'end of the ring' if end > cap else 'head ' + str(self.head)}"
-                )
-            base = kind & L.KIND_MASK
-            if base == L.MSG:
-                if self.partial is not None or self.skipping:
-                    self.partial, self.skipping = None, False  # the writer gave that one up
-                if kind & L.BATCH:
-                    n = q[(off >> 3) + 1]
-                    if not 2 <= n <= self.layout.max_messages:
-                        raise CorruptedError(
-                            f"batch at position {self.tail} claims {n} messages "
-                            f"(max_messages={self.layout.max_messages})"
-                        )
-                    self.messages = n
-                else:
-                    self.messages = 1
-                return self.data[off + L.HEADER_SIZE : end], kind, record_size(length)
-            if base == L.PAD:
-                if end != cap:
-                    raise CorruptedError(
-                        f"padding at position {self.tail} of {length} bytes stops short of the end"
-                    )
-                self.tail += cap - off
-            elif base in (L.FIRST, L.MIDDLE, L.LAST):
-                whole = self._fragment(off, base, kind, length)
-                if whole is not None:
-                    return whole, self.partial_kind, 0
-            else:
-                raise CorruptedError(f"unknown record kind {kind} at position {self.tail}")
-        return None
 
     def _fragment(self, off: int, base: int, kind: int, length: int) -> memoryview | None:
         start = off + L.HEADER_SIZE
@@ -652,56 +544,11 @@ class RingReader:
         """True if the writer marked the stream cut off upstream rather than ended."""
         return self.w[self.w_closed] == L.CLOSED_BROKEN
 
-    def take_plain(self) -> memoryview | None:
-        """The next record's payload if it is one whole message without buffers: the hot
-        path.  None for anything else (or nothing), which ``next()`` then handles."""
-        tail = self.tail
-        if tail == self.head and not self.refresh():
-            return None
-        off = tail % self.cap
-        word = self.q[off >> 3]
-        if word & 0xFF != L.MSG or self.partial is not None or self.skipping:
-            return None
-        end = off + L.HEADER_SIZE + (word >> 8)
-        if end > self.cap or tail + end - off > self.head:
-            return None  # next() reports the corruption
-        return self.data[off + L.HEADER_SIZE : end]
-
-    def consume_plain(self, payload: memoryview) -> None:
-        """Step past the record ``take_plain`` returned and publish the new tail."""
-        self.tail += record_size(len(payload))
-        self.count += 1
-        self.publish()
-
     def consume(self, size: int) -> None:
         """Step past the message ``next()`` returned (``size`` is its third item)."""
         if size:
             self.tail += size
             self.count += self.messages
-
-    def publish(self) -> None:
-        """Store the tail; wake the writer if this step crossed the point it sleeps for.
-
-        Waking on the crossing only (not on every read) means a writer stuck on the
-        slowest reader is not woken by the fast ones over and over.
-        """
-        w = self.w
-        # A leased message keeps its record: the writer may not reuse it until released.
-        tail, count = self.pins[0] if self.pins else (self.tail, self.count)
-        w[self.r_count] = count
-        w[self.r_tail] = tail
-        fence()
-        if w[self.w_sleep]:
-            acquire()
-            want_pos, want_count = w[self.w_want_pos], w[self.w_want_count]
-            if (
-                tail >= want_pos
-                and count >= want_count
-                and not (self.shown_tail >= want_pos and self.shown_count >= want_count)
-            ):
-                self.wakeups += 1
-                self.wake_writer()
-        self.shown_tail, self.shown_count = tail, count
 
     def keep_spare(self, buffer: bytearray) -> None:
         """A finished lease's reassembly buffer: the next fragmented message of its size
@@ -721,17 +568,3 @@ class RingReader:
     def unpin(self, mark: tuple[int, int]) -> None:
         self.pins.remove(mark)
         self.publish()
-
-    def prepare_sleep(self) -> bool:
-        """Announce that this reader is about to sleep; False if data or the end arrived."""
-        w = self.w
-        self.episode += 2
-        w[self.r_sleep] = self.episode
-        fence()
-        if self.available() or w[self.w_closed]:
-            w[self.r_sleep] = 0
-            return False
-        return True
-
-    def end_sleep(self) -> None:
-        self.w[self.r_sleep] = 0

@@ -8,7 +8,7 @@ import os
 import re
 import resource
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from ._layout import Layout
 
@@ -16,6 +16,10 @@ _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 # cgroup v1 shows "no limit" as the largest page count times the page size (about 2**63).
 _V1_UNLIMITED = 1 << 62
+
+
+class _Releasable(Protocol):
+    def release(self) -> None: ...
 
 
 class Segment:
@@ -40,7 +44,7 @@ class Segment:
         self.buf = memoryview(self._map)
         self.words = self.buf[: size - size % 8].cast("Q")
         self.data = self.buf  # narrowed to the data area by create() and the reader
-        self._views: list[memoryview] = []
+        self._views: list[_Releasable] = []
         self.fd = fd if keep_fd else -1
 
     @classmethod
@@ -90,6 +94,15 @@ class Segment:
         v = self.data.cast("Q")
         self._views.append(v)
         return v
+
+    @property
+    def mapping(self) -> mmap.mmap:
+        """The mapping itself: a view taken of it keeps it mapped until released."""
+        return self._map
+
+    def track(self, user: _Releasable) -> None:
+        """Release ``user`` (a view, a ring core) first when the segment closes."""
+        self._views.append(user)
 
     def close(self) -> None:
         """Unmap, or leave the unmapping to the GC while a caller still holds a view."""

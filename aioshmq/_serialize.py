@@ -74,6 +74,32 @@ class PickleSerializer(Serializer):
         # so the stream pickle made for the first such array is reused for the next ones.
         self._arrays: dict[tuple[Any, tuple[int, ...]], Buffer] = {}
 
+    @property
+    def pickler(self) -> Any:
+        """``pickle.dumps`` (or cloudpickle's), which a ring core may call itself."""
+        return self._dumps
+
+    def finish(self, obj: Any, rest: Any) -> tuple[Buffer, list[memoryview]]:
+        """``dumps(obj)`` given what a ring core's ``put_object`` left: ``()`` or
+        ``(main, [PickleBuffer, ...])``."""
+        if not rest:
+            return self.dumps(obj)
+        main, found = rest
+        if not found:
+            return main, []
+        try:
+            return main, [pb.raw() for pb in found]
+        except BufferError:  # non-contiguous: in-band, which pickle refuses clearly
+            return self._pickle_in_band(obj), []
+
+    def _pickle_in_band(self, obj: Any) -> Buffer:
+        try:
+            return self._dumps(obj, protocol=5)  # type: ignore[no-any-return]
+        except MemoryError:
+            raise
+        except Exception as exc:
+            raise unserializable(obj, exc, self.name) from exc
+
     def dumps(self, obj: Any) -> tuple[Buffer, list[memoryview]]:
         np = sys.modules.get("numpy")
         if np is not None and type(obj) is np.ndarray:

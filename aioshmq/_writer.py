@@ -25,7 +25,7 @@ from ._layout import Layout
 from ._notify import Notifier, NotifierKind, default_kind
 from ._ring import ATTACHED, DEAD, PENDING, Frame, Gate, RingWriter
 from ._segment import Segment
-from ._serialize import SerializerSpec, resolve
+from ._serialize import SerializerSpec, resolve, unserializable
 
 T = TypeVar("T")
 
@@ -133,6 +133,8 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         self._quiet = False
         self._layout = layout
         self._ser = serializer
+        # pickle.dumps's signature, for the core's one-call pickle-and-put (None: not pickle)
+        self._pickler = getattr(serializer, "pickler", None)
         self._name = name
         self._on_death = on_reader_death
         self._messages = 0
@@ -322,17 +324,26 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         """
         if self._halt:
             self._check()
-        main, buffers = self._ser.dumps(obj)
         if time.monotonic() >= self._next_yield:
             await self._pace()
             self._check()
         elif (cancelled := pending_checkpoint()) is not None:
             await cancelled()
         ring = self._ring
+        if self._pickler is not None and not self._lock.locked():
+            try:
+                rest = ring.put_object(obj, self._pickler)
+            except MemoryError:
+                raise
+            except Exception as exc:
+                raise unserializable(obj, exc, self._ser.name) from exc
+            if rest is None:
+                return
+            main, buffers = self._ser.finish(obj, rest)
+        else:
+            main, buffers = self._ser.dumps(obj)
         if not buffers:
             if not self._lock.locked() and ring.put_plain(main):
-                self._messages += 1
-                self._bytes += len(main)
                 return
             await self._run([Frame(main, buffers)])
             return
@@ -369,8 +380,6 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
             if not self._lock.locked() and self._ring.put_plain(
                 frame.parts[0][1], frame.kind, frame.count
             ):
-                self._messages += frame.count
-                self._bytes += frame.length
                 return
         if frames:
             await self._run(frames)
@@ -476,8 +485,8 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
             bytes_in_ring=nbytes,
             capacity=self._layout.capacity,
             max_messages=self._layout.max_messages,
-            messages_put=self._messages,
-            bytes_put=self._bytes,
+            messages_put=self._messages + self._ring.sent,
+            bytes_put=self._bytes + self._ring.sent_bytes,
             readers=self._layout.readers,
             readers_attached=sum(1 for s in self._gate.states if s == ATTACHED),
             tasks_waiting_send=self._waiting,

@@ -129,8 +129,10 @@ def test_documented_modules_match_their_docstrings() -> None:
     for info in pkgutil.iter_modules(aioshmq.__path__):
         if info.ispkg or info.name == "__main__":
             continue
-        doc = (importlib.import_module(f"aioshmq.{info.name}").__doc__ or "").splitlines()[0]
-        assert documented.get(f"{info.name}.py") == doc.replace("``", "`"), info.name
+        module = importlib.import_module(f"aioshmq.{info.name}")
+        doc = (module.__doc__ or "").splitlines()[0]
+        source = info.name + (".py" if str(module.__file__).endswith(".py") else ".c")
+        assert documented.get(source) == doc.replace("``", "`"), info.name
 
 
 def test_documented_remote_modules_match_their_docstrings() -> None:

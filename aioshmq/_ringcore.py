@@ -1,0 +1,343 @@
+"""The ring's per-message work in pure Python: the reference its compiled twin mirrors.
+
+``_ringcore_c.c`` implements the same two classes with the same constructor, methods,
+attributes and byte layout; ``_switch`` picks one.  Everything rarer (fragments, sleeping
+writers, slots, relays) lives in ``_ring``'s subclasses and runs on either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from . import _layout as L
+from ._atomics import acquire, fence, release
+from ._errors import CorruptedError
+from ._layout import record_size
+from ._serialize import Buffer
+
+_NDARRAY = "numpy.ndarray"
+
+
+class _Notifier(Protocol):
+    kind: str
+    write_fd: int
+
+    def signal(self) -> None: ...
+
+
+def _type_name(obj: object) -> str:
+    t = type(obj)
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+class WriterCore:
+    """The writer's per-message work: write a plain record, publish, wake sleeping readers."""
+
+    def __init__(
+        self,
+        mapping: Buffer,
+        data_offset: int,
+        capacity: int,
+        max_messages: int,
+        readers: int,
+        wake: Sequence[_Notifier],
+    ) -> None:
+        buf = self._cbuf = memoryview(mapping)
+        self._cdata = buf[data_offset : data_offset + capacity]
+        self._cwords = buf[: len(buf) - len(buf) % 8].cast("Q")
+        self._cq = self._cdata.cast("Q")
+        self._w_head = L.writer_word_index(L.W_HEAD)
+        self._w_count = L.writer_word_index(L.W_HEAD_COUNT)
+        self._r_sleep = [L.reader_word_index(i, L.R_SLEEP) for i in range(readers)]
+        self._cap = capacity
+        self._wake = list(wake)
+        self._signalled = [0] * readers
+        self.pos = 0  # write cursor; > head while records are written but not published
+        self.count = 0
+        self.head = 0
+        self.head_count = 0
+        self.limit_pos = capacity  # the cursor may advance up to here without re-checking
+        self.limit_count = max_messages
+        self.need_span = 0  # what the last failed write waited for: bytes, messages
+        self.need_count = 0
+        self.wakeups = 0
+        self.publishes = 0
+        self.sent = 0  # messages and payload bytes put through put_plain
+        self.sent_bytes = 0
+        self.max_record = capacity // 2
+        self._found: list[Any] = []
+        self._in_dumps = 0
+
+    def refresh_limits(self) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def put_plain(self, main: Any, kind: int = L.MSG, count: int = 1) -> bool:
+        """Write and publish one record without buffers if there is room now: the hot path."""
+        n = len(main) if not isinstance(main, memoryview) else main.nbytes
+        size = record_size(n)
+        if size > self.max_record:
+            return False
+        cap = self._cap
+        pos = self.pos
+        off = pos % cap
+        span = cap - off + size if off + size > cap else size
+        if pos + span > self.limit_pos or self.count + count > self.limit_count:
+            self.refresh_limits()
+            if pos + span > self.limit_pos or self.count + count > self.limit_count:
+                self.need_span, self.need_count = span, count
+                return False
+        q = self._cq
+        if span != size:
+            q[off >> 3] = ((cap - off - L.HEADER_SIZE) << 8) | L.PAD
+            pos += cap - off
+            off = 0
+        i = off >> 3
+        q[i] = (n << 8) | kind
+        q[i + 1] = count if count > 1 else 0
+        start = off + L.HEADER_SIZE
+        self._cdata[start : start + n] = main
+        self.pos = pos + size
+        self.count += count
+        self.sent += count
+        self.sent_bytes += n
+        self.publish()
+        return True
+
+    def put_object(self, obj: Any, dumps: Callable[..., Any]) -> Any:
+        """Pickle ``obj`` with ``dumps`` and put it as one plain record if it is one and
+        fits now: None.  Otherwise nothing is written, and what is left is returned: ``()``
+        for a numpy array (the serializer has a faster way for those), else ``(main,
+        [PickleBuffer, ...])``."""
+        if _type_name(obj) == _NDARRAY:
+            return ()
+        found: list[Any] = self._found if not self._in_dumps else []
+        self._in_dumps += 1
+        try:
+            main = dumps(obj, protocol=5, buffer_callback=found.append)
+        finally:
+            self._in_dumps -= 1
+            buffers = found[:]
+            found.clear()
+        if buffers or type(main) is not bytes:
+            return main, buffers
+        if self.put_plain(main):
+            return None
+        return main, []
+
+    def publish(self) -> None:
+        if self.pos == self.head:
+            return
+        release()
+        w = self._cwords
+        w[self._w_count] = self.count
+        w[self._w_head] = self.pos
+        self.head, self.head_count = self.pos, self.count
+        self.publishes += 1
+        fence()
+        self._wake_readers()
+
+    def _wake_readers(self) -> None:
+        w = self._cwords
+        for i, idx in enumerate(self._r_sleep):
+            s = w[idx]
+            if s and s != self._signalled[i]:
+                self._signalled[i] = s
+                self._wake[i].signal()
+                self.wakeups += 1
+
+    def release(self) -> None:
+        """Stop touching the ring's memory (the segment is being unmapped)."""
+        for view in (self._cq, self._cwords, self._cdata, self._cbuf):
+            view.release()
+
+
+class ReaderCore:
+    """A reader's per-message work: read records, publish its tail, wake the writer."""
+
+    def __init__(
+        self,
+        mapping: Buffer,
+        data_offset: int,
+        capacity: int,
+        max_messages: int,
+        readers: int,
+        index: int,
+        wake_writer: _Notifier,
+    ) -> None:
+        if not 0 <= index < readers:
+            raise ValueError(f"reader {index} of a ring with {readers} slots")
+        buf = self._cbuf = memoryview(mapping)
+        self._cdata = buf[data_offset : data_offset + capacity]
+        self._cwords = buf[: len(buf) - len(buf) % 8].cast("Q")
+        self._cq = self._cdata.cast("Q")
+        self._cap = capacity
+        self._max_messages = max_messages
+        self._w_head = L.writer_word_index(L.W_HEAD)
+        self._w_closed = L.writer_word_index(L.W_CLOSED)
+        self._w_sleep = L.writer_word_index(L.W_SLEEP)
+        self._w_want_pos = L.writer_word_index(L.W_WANT_POS)
+        self._w_want_count = L.writer_word_index(L.W_WANT_COUNT)
+        self._r_tail = L.reader_word_index(index, L.R_TAIL)
+        self._r_count = L.reader_word_index(index, L.R_TAIL_COUNT)
+        self._r_sleep = L.reader_word_index(index, L.R_SLEEP)
+        self._wake_writer = wake_writer
+        self.index = index
+        self.tail = self._cwords[self._r_tail]
+        self.count = self._cwords[self._r_count]
+        self.head = self.tail
+        self.shown_tail, self.shown_count = self.tail, self.count
+        self.wakeups = 0
+        self.messages = 1  # how many messages the record next() returned holds
+        self.taken = 0  # messages and payload bytes taken through the plain path
+        self.taken_bytes = 0
+        self.episode = 0
+        self.pins: list[tuple[int, int]] = []  # records of leased messages, oldest first
+        self.partial: bytearray | None = None  # a fragmented message being reassembled
+        self.skipping = False  # joined in the middle of a fragmented message
+
+    def _fragment(self, off: int, base: int, kind: int, length: int) -> memoryview | None:
+        raise NotImplementedError
+
+    partial_kind: int
+
+    def available(self) -> bool:
+        return self.tail != self.head or self.refresh()
+
+    def refresh(self) -> bool:
+        """Load the published head; True if there is something past this reader's tail."""
+        self.head = head = self._cwords[self._w_head]
+        acquire()
+        if not 0 <= head - self.tail <= self._cap:
+            # The writer never runs more than a ring ahead of a reader it waits for.
+            self.head = self.tail
+            raise CorruptedError(
+                f"head {head} is {'behind' if head < self.tail else 'more than a ring ahead of'} "
+                f"reader {self.index}'s tail {self.tail}"
+            )
+        return self.tail != head
+
+    def next(self) -> tuple[memoryview, int, int] | None:
+        """The next whole message as (payload, kind, ring bytes), not consumed; None if none.
+
+        Fragments are reassembled as they arrive (consuming their records, so the writer can
+        stream a message larger than the ring); the message they form takes 0 ring bytes.
+        """
+        cap, q = self._cap, self._cq
+        while self.tail != self.head or self.available():
+            off = self.tail % cap
+            word = q[off >> 3]
+            kind, length = word & 0xFF, word >> 8
+            end = off + L.HEADER_SIZE + length
+            if end > cap or self.tail + end - off > self.head:
+                raise CorruptedError(
+                    f"record at position {self.tail} (kind {kind}) claims {length} bytes, "
+                    f"past the {'end of the ring' if end > cap else 'head ' + str(self.head)}"
+                )
+            base = kind & L.KIND_MASK
+            if base == L.MSG:
+                if self.partial is not None or self.skipping:
+                    self.partial, self.skipping = None, False  # the writer gave that one up
+                if kind & L.BATCH:
+                    n = q[(off >> 3) + 1]
+                    if not 2 <= n <= self._max_messages:
+                        raise CorruptedError(
+                            f"batch at position {self.tail} claims {n} messages "
+                            f"(max_messages={self._max_messages})"
+                        )
+                    self.messages = n
+                else:
+                    self.messages = 1
+                return self._cdata[off + L.HEADER_SIZE : end], kind, record_size(length)
+            if base == L.PAD:
+                if end != cap:
+                    raise CorruptedError(
+                        f"padding at position {self.tail} of {length} bytes stops short of the end"
+                    )
+                self.tail += cap - off
+            elif base in (L.FIRST, L.MIDDLE, L.LAST):
+                whole = self._fragment(off, base, kind, length)
+                if whole is not None:
+                    return whole, self.partial_kind, 0
+            else:
+                raise CorruptedError(f"unknown record kind {kind} at position {self.tail}")
+        return None
+
+    def take_plain(self) -> memoryview | None:
+        """The next record's payload if it is one whole message without buffers: the hot
+        path.  None for anything else (or nothing), which ``next()`` then handles."""
+        tail = self.tail
+        if tail == self.head and not self.refresh():
+            return None
+        cap = self._cap
+        off = tail % cap
+        word = self._cq[off >> 3]
+        if word & 0xFF != L.MSG or self.partial is not None or self.skipping:
+            return None
+        end = off + L.HEADER_SIZE + (word >> 8)
+        if end > cap or tail + end - off > self.head:
+            return None  # next() reports the corruption
+        return self._cdata[off + L.HEADER_SIZE : end]
+
+    def consume_plain(self, payload: memoryview) -> None:
+        """Step past the record ``take_plain`` returned and publish the new tail."""
+        n = len(payload)
+        self.tail += record_size(n)
+        self.count += 1
+        self.taken += 1
+        self.taken_bytes += n
+        self.publish()
+
+    def get_plain(self, loads: Callable[[memoryview], Any], empty: Any) -> Any:
+        """The next message loaded with ``loads`` and consumed if it is a plain one (even if
+        ``loads`` raises), else ``empty``."""
+        view = self.take_plain()
+        if view is None:
+            return empty
+        try:
+            return loads(view)
+        finally:
+            self.consume_plain(view)
+
+    def publish(self) -> None:
+        """Store the tail; wake the writer if this step crossed the point it sleeps for.
+
+        Waking on the crossing only (not on every read) means a writer stuck on the
+        slowest reader is not woken by the fast ones over and over.
+        """
+        w = self._cwords
+        # A leased message keeps its record: the writer may not reuse it until released.
+        tail, count = self.pins[0] if self.pins else (self.tail, self.count)
+        w[self._r_count] = count
+        w[self._r_tail] = tail
+        fence()
+        if w[self._w_sleep]:
+            acquire()
+            want_pos, want_count = w[self._w_want_pos], w[self._w_want_count]
+            if (
+                tail >= want_pos
+                and count >= want_count
+                and not (self.shown_tail >= want_pos and self.shown_count >= want_count)
+            ):
+                self.wakeups += 1
+                self._wake_writer.signal()
+        self.shown_tail, self.shown_count = tail, count
+
+    def prepare_sleep(self) -> bool:
+        """Announce that this reader is about to sleep; False if data or the end arrived."""
+        w = self._cwords
+        self.episode += 2
+        w[self._r_sleep] = self.episode
+        fence()
+        if self.available() or w[self._w_closed]:
+            w[self._r_sleep] = 0
+            return False
+        return True
+
+    def end_sleep(self) -> None:
+        self._cwords[self._r_sleep] = 0
+
+    def release(self) -> None:
+        """Stop touching the ring's memory (the segment is being unmapped)."""
+        for view in (self._cq, self._cwords, self._cdata, self._cbuf):
+            view.release()

@@ -1,0 +1,983 @@
+/* The ring's per-message work in C: the compiled twin of aioshmq/_ringcore.py.
+ *
+ * Same byte layout, same behaviour, same Python-visible state as the pure module: a ring
+ * written by one is read by the other.  Shared counters are C11 atomics on the mapping
+ * (see ARCHITECTURE.md, "Memory ordering"): the writer publishes its head with a release
+ * store, a reader loads it with an acquire load before it reads a record, a reader stores
+ * its tail with a release store after it read the record, and both sides of the sleep/wake
+ * handshake put a sequentially consistent fence between "I sleep" (or "I moved") and the
+ * load of the other side's word.  Every read of the data area is bounds-checked against
+ * the capacity and the published head first: a scribbled ring raises CorruptedError (or
+ * falls back to the pure code that raises it), it is never read outside the mapping.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+
+#include <errno.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <string.h>
+#include <unistd.h>
+
+#if ATOMIC_LLONG_LOCK_FREE != 2
+#error "aioshmq needs lock-free 64-bit atomics"
+#endif
+
+/* Must match aioshmq/_layout.py; tests/test_ringcore.py compares them. */
+#define LINE 128
+#define WRITER_LINE LINE
+#define READER_LINES (2 * LINE)
+#define HEADER_SIZE 16
+#define RECORD_ALIGN 16
+#define W_HEAD 0
+#define W_HEAD_COUNT 1
+#define W_CLOSED 2
+#define W_SLEEP 3
+#define W_WANT_POS 4
+#define W_WANT_COUNT 5
+#define R_TAIL 0
+#define R_TAIL_COUNT 1
+#define R_SLEEP 2
+#define PAD 1
+#define MSG 2
+#define FIRST 3
+#define MIDDLE 4
+#define LAST 5
+#define OOB 0x10
+#define BATCH 0x20
+#define KIND_MASK 0x0F
+
+typedef _Atomic uint64_t au64;
+
+static PyObject *CorruptedError; /* aioshmq._errors.CorruptedError */
+static PyObject *str_refresh_limits, *str_fragment, *str_write_fd;
+static PyObject *dumps_kwnames; /* ("protocol", "buffer_callback") */
+static PyObject *five;
+
+static inline uint64_t ld(const uint64_t *p) {
+    return atomic_load_explicit((au64 *)p, memory_order_relaxed);
+}
+static inline uint64_t ld_acquire(const uint64_t *p) {
+    return atomic_load_explicit((au64 *)p, memory_order_acquire);
+}
+static inline void st(uint64_t *p, uint64_t v) {
+    atomic_store_explicit((au64 *)p, v, memory_order_relaxed);
+}
+static inline void st_release(uint64_t *p, uint64_t v) {
+    atomic_store_explicit((au64 *)p, v, memory_order_release);
+}
+static inline void full_fence(void) { atomic_thread_fence(memory_order_seq_cst); }
+
+static inline uint64_t record_size(uint64_t n) {
+    return HEADER_SIZE + ((n + RECORD_ALIGN - 1) & ~(uint64_t)(RECORD_ALIGN - 1));
+}
+
+/* -- the mapping, shared by both sides ---------------------------------------------------- */
+
+typedef struct {
+    Py_buffer view;      /* the whole segment, held while the core may touch it */
+    int held;            /* view is held */
+    int released;        /* release() was called: no method may touch the memory again */
+    Py_ssize_t exports;  /* memoryviews of ring memory handed out and still alive */
+    uint8_t *base;       /* NULL once released */
+    uint8_t *data;
+    uint64_t cap;
+    uint64_t max_messages;
+    uint64_t readers;
+    const char *export_ptr; /* the region the next export covers */
+    Py_ssize_t export_len;
+} Mem;
+
+static int mem_init(Mem *m, PyObject *buf, Py_ssize_t data_offset, uint64_t cap,
+                    uint64_t max_messages, uint64_t readers) {
+    if (m->held) {
+        PyErr_SetString(PyExc_RuntimeError, "ring core initialised twice");
+        return -1;
+    }
+    if (PyObject_GetBuffer(buf, &m->view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    m->held = 1;
+    Py_ssize_t len = m->view.len;
+    if (cap < 4096 || cap % RECORD_ALIGN || max_messages < 1 || readers < 1 || data_offset < 0
+        || data_offset % 8 || (uint64_t)data_offset < READER_LINES + readers * LINE
+        || (uint64_t)len < (uint64_t)data_offset || cap > (uint64_t)(len - data_offset)
+        || ((uintptr_t)m->view.buf) % 8) {
+        PyErr_Format(CorruptedError,
+                     "inconsistent layout: capacity=%llu readers=%llu data_offset=%zd "
+                     "segment=%zd bytes",
+                     (unsigned long long)cap, (unsigned long long)readers, data_offset, len);
+        return -1;
+    }
+    m->base = (uint8_t *)m->view.buf;
+    m->data = m->base + data_offset;
+    m->cap = cap;
+    m->max_messages = max_messages;
+    m->readers = readers;
+    return 0;
+}
+
+static inline uint64_t *wword(Mem *m, int field) {
+    return (uint64_t *)(m->base + WRITER_LINE) + field;
+}
+static inline uint64_t *rword(Mem *m, uint64_t index, int field) {
+    return (uint64_t *)(m->base + READER_LINES + index * LINE) + field;
+}
+static inline uint64_t *dword(Mem *m, uint64_t off) { return (uint64_t *)(m->data + off); }
+
+static void mem_drop(Mem *m) {
+    m->base = m->data = NULL;
+    if (m->held && m->exports == 0) {
+        PyBuffer_Release(&m->view);
+        m->held = 0;
+    }
+}
+
+static int mem_released(Mem *m) {
+    if (m->base == NULL) {
+        PyErr_SetString(PyExc_ValueError, "operation on a ring whose memory was released");
+        return 1;
+    }
+    return 0;
+}
+
+/* The buffer protocol: a core hands out views of ring memory; the mapping stays while any
+ * of them lives, as it does for slices of the segment's own memoryview. */
+static int mem_getbuffer(Mem *m, PyObject *owner, Py_buffer *view, int flags) {
+    if (m->base == NULL || m->export_ptr == NULL) {
+        PyErr_SetString(PyExc_BufferError, "a ring core exports only the message it reads");
+        return -1;
+    }
+    if (PyBuffer_FillInfo(view, owner, (void *)m->export_ptr, m->export_len, 0, flags) < 0)
+        return -1;
+    m->exports++;
+    return 0;
+}
+
+static void mem_releasebuffer(Mem *m) {
+    if (--m->exports == 0 && m->base == NULL && m->held) {
+        PyBuffer_Release(&m->view);
+        m->held = 0;
+    }
+}
+
+static PyObject *mem_view(Mem *m, PyObject *owner, const uint8_t *p, uint64_t n) {
+    m->export_ptr = (const char *)p;
+    m->export_len = (Py_ssize_t)n;
+    PyObject *v = PyMemoryView_FromObject(owner);
+    m->export_ptr = NULL;
+    return v;
+}
+
+/* One wake-up through a Notifier (an eventfd, or a pipe's write end).  Its fd is read at
+ * each call: a notifier closed meanwhile (write_fd -1) is skipped, never a stale number. */
+static int notify(PyObject *notifier, int eventfd) {
+    PyObject *fdobj = PyObject_GetAttr(notifier, str_write_fd);
+    if (fdobj == NULL) return -1;
+    long fd = PyLong_AsLong(fdobj);
+    Py_DECREF(fdobj);
+    if (fd == -1 && PyErr_Occurred()) return -1;
+    if (fd < 0) return 0;
+    static const uint64_t one = 1;
+    static const char zero = 0;
+    ssize_t r = eventfd ? write((int)fd, &one, 8) : write((int)fd, &zero, 1);
+    if (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    return 0;
+}
+
+static int is_eventfd(PyObject *notifier) {
+    PyObject *kind = PyObject_GetAttrString(notifier, "kind");
+    if (kind == NULL) return -1;
+    int r = PyUnicode_Check(kind) && PyUnicode_CompareWithASCIIString(kind, "eventfd") == 0;
+    Py_DECREF(kind);
+    return r;
+}
+
+static int u64_arg(PyObject *o, uint64_t *out) {
+    unsigned long long v = PyLong_AsUnsignedLongLong(o);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    *out = v;
+    return 0;
+}
+
+/* -- the writer ------------------------------------------------------------------------------ */
+
+typedef struct {
+    PyObject_HEAD
+    Mem m;
+    unsigned long long pos, count, head, head_count, limit_pos, limit_count;
+    unsigned long long need_span, need_count, wakeups, publishes, sent, sent_bytes;
+    unsigned long long max_record;
+    PyObject *wake;        /* tuple of Notifiers, one per reader */
+    int *wake_eventfd;
+    uint64_t *signalled;   /* per reader: the sleep episode already woken */
+    PyObject *found;       /* list the pickler's buffer_callback appends to */
+    PyObject *found_append;
+    int in_dumps;
+    PyObject *weakreflist;
+    PyObject *dict;
+} WriterCore;
+
+static int W_init(WriterCore *self, PyObject *args, PyObject *kwds) {
+    PyObject *buf, *wake;
+    Py_ssize_t data_offset;
+    unsigned long long cap, max_messages, readers;
+    static char *kwlist[] = {"mapping", "data_offset", "capacity", "max_messages", "readers",
+                             "wake", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OnKKKO:WriterCore", kwlist, &buf,
+                                     &data_offset, &cap, &max_messages, &readers, &wake))
+        return -1;
+    if (mem_init(&self->m, buf, data_offset, cap, max_messages, readers) < 0) return -1;
+    PyObject *t = PySequence_Tuple(wake);
+    if (t == NULL) return -1;
+    if ((uint64_t)PyTuple_GET_SIZE(t) != readers) {
+        Py_DECREF(t);
+        PyErr_SetString(PyExc_ValueError, "one wake-up notifier per reader is needed");
+        return -1;
+    }
+    self->wake = t;
+    self->wake_eventfd = PyMem_Calloc(readers, sizeof(int));
+    self->signalled = PyMem_Calloc(readers, sizeof(uint64_t));
+    if (self->wake_eventfd == NULL || self->signalled == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (uint64_t i = 0; i < readers; i++) {
+        int e = is_eventfd(PyTuple_GET_ITEM(t, i));
+        if (e < 0) return -1;
+        self->wake_eventfd[i] = e;
+    }
+    self->found = PyList_New(0);
+    if (self->found == NULL) return -1;
+    self->found_append = PyObject_GetAttrString(self->found, "append");
+    if (self->found_append == NULL) return -1;
+    self->limit_pos = cap;
+    self->limit_count = max_messages;
+    self->max_record = cap / 2;
+    return 0;
+}
+
+static int W_traverse(WriterCore *self, visitproc visit, void *arg) {
+    Py_VISIT(self->wake);
+    Py_VISIT(self->found);
+    Py_VISIT(self->found_append);
+    Py_VISIT(self->dict);
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+static int W_clear(WriterCore *self) {
+    Py_CLEAR(self->wake);
+    Py_CLEAR(self->found);
+    Py_CLEAR(self->found_append);
+    Py_CLEAR(self->dict);
+    return 0;
+}
+
+static void W_dealloc(WriterCore *self) {
+    PyObject_GC_UnTrack(self);
+    if (self->weakreflist != NULL) PyObject_ClearWeakRefs((PyObject *)self);
+    W_clear(self);
+    self->m.exports = 0;
+    mem_drop(&self->m);
+    PyMem_Free(self->wake_eventfd);
+    PyMem_Free(self->signalled);
+    PyTypeObject *tp = Py_TYPE(self);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+static int W_wake_readers(WriterCore *self) {
+    Mem *m = &self->m;
+    for (uint64_t i = 0; i < m->readers; i++) {
+        uint64_t s = ld(rword(m, i, R_SLEEP));
+        if (s && s != self->signalled[i]) {
+            self->signalled[i] = s;
+            if (notify(PyTuple_GET_ITEM(self->wake, i), self->wake_eventfd[i]) < 0) return -1;
+            self->wakeups++;
+        }
+    }
+    return 0;
+}
+
+static int W_publish_(WriterCore *self) {
+    if (self->pos == self->head) return 0;
+    Mem *m = &self->m;
+    st_release(wword(m, W_HEAD_COUNT), self->count);
+    st_release(wword(m, W_HEAD), self->pos);
+    self->head = self->pos;
+    self->head_count = self->count;
+    self->publishes++;
+    full_fence();
+    return W_wake_readers(self);
+}
+
+/* 1 written and published, 0 no room now (need_* set) or too big, -1 error. */
+static int W_put_plain_(WriterCore *self, const uint8_t *src, uint64_t n, uint64_t kind,
+                        uint64_t messages) {
+    Mem *m = &self->m;
+    if (mem_released(m)) return -1;
+    uint64_t size = record_size(n);
+    if (size > self->max_record) return 0;
+    uint64_t cap = m->cap, pos = self->pos, off = pos % cap;
+    uint64_t span = off + size > cap ? cap - off + size : size;
+    if (pos + span > self->limit_pos || self->count + messages > self->limit_count) {
+        PyObject *r = PyObject_CallMethodNoArgs((PyObject *)self, str_refresh_limits);
+        if (r == NULL) return -1;
+        Py_DECREF(r);
+        if (mem_released(m)) return -1;
+        if (pos + span > self->limit_pos || self->count + messages > self->limit_count) {
+            self->need_span = span;
+            self->need_count = messages;
+            return 0;
+        }
+    }
+    if (span != size) {
+        st(dword(m, off), ((cap - off - HEADER_SIZE) << 8) | PAD);
+        pos += cap - off;
+        off = 0;
+    }
+    st(dword(m, off), (n << 8) | kind);
+    st(dword(m, off + 8), messages > 1 ? messages : 0);
+    memcpy(m->data + off + HEADER_SIZE, src, n);
+    self->pos = pos + size;
+    self->count += messages;
+    self->sent += messages;
+    self->sent_bytes += n;
+    return W_publish_(self) < 0 ? -1 : 1;
+}
+
+static PyObject *W_put_plain(WriterCore *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 3) {
+        PyErr_SetString(PyExc_TypeError, "put_plain(main, kind=MSG, count=1)");
+        return NULL;
+    }
+    uint64_t kind = MSG, count = 1;
+    if (nargs > 1 && u64_arg(args[1], &kind) < 0) return NULL;
+    if (nargs > 2 && u64_arg(args[2], &count) < 0) return NULL;
+    Py_buffer b;
+    if (PyObject_GetBuffer(args[0], &b, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    int r = W_put_plain_(self, b.buf, (uint64_t)b.len, kind, count);
+    PyBuffer_Release(&b);
+    if (r < 0) return NULL;
+    return PyBool_FromLong(r);
+}
+
+/* put_object(obj, dumps): pickle ``obj`` with ``dumps`` (pickle's signature) and, if that
+ * gives one plain record with room for it now, write and publish it: None.  Otherwise
+ * nothing is written and it returns what the caller needs to go on: () for a numpy array
+ * (the serializer has a faster way for those), else (main, [PickleBuffer, ...]). */
+static PyObject *W_put_object(WriterCore *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "put_object(obj, dumps)");
+        return NULL;
+    }
+    if (mem_released(&self->m)) return NULL;
+    PyObject *obj = args[0];
+    if (strcmp(Py_TYPE(obj)->tp_name, "numpy.ndarray") == 0) return PyTuple_New(0);
+    PyObject *found, *append;
+    if (self->in_dumps) { /* a __reduce__ that puts: never share the buffer list */
+        found = PyList_New(0);
+        if (found == NULL) return NULL;
+        append = PyObject_GetAttrString(found, "append");
+        if (append == NULL) {
+            Py_DECREF(found);
+            return NULL;
+        }
+    } else {
+        found = Py_NewRef(self->found);
+        append = Py_NewRef(self->found_append);
+    }
+    PyObject *call[3] = {obj, five, append};
+    self->in_dumps++;
+    PyObject *main = PyObject_Vectorcall(args[1], call, 1, dumps_kwnames);
+    self->in_dumps--;
+    Py_DECREF(append);
+    PyObject *result = NULL;
+    Py_ssize_t nbuf = PyList_GET_SIZE(found);
+    if (main == NULL) goto done;
+    if (nbuf || !PyBytes_Check(main)) {
+        PyObject *bufs = PyList_GetSlice(found, 0, nbuf);
+        if (bufs != NULL) result = PyTuple_Pack(2, main, bufs);
+        Py_XDECREF(bufs);
+        goto done;
+    }
+    int r = W_put_plain_(self, (const uint8_t *)PyBytes_AS_STRING(main),
+                         (uint64_t)PyBytes_GET_SIZE(main), MSG, 1);
+    if (r < 0) goto done;
+    if (r) {
+        result = Py_NewRef(Py_None);
+    } else {
+        PyObject *none = PyList_New(0);
+        if (none != NULL) result = PyTuple_Pack(2, main, none);
+        Py_XDECREF(none);
+    }
+done:
+    if (nbuf) PyList_SetSlice(found, 0, nbuf, NULL);
+    Py_DECREF(found);
+    Py_XDECREF(main);
+    return result;
+}
+
+static PyObject *W_publish(WriterCore *self, PyObject *unused) {
+    if (mem_released(&self->m)) return NULL;
+    if (W_publish_(self) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *W_wake_readers_py(WriterCore *self, PyObject *unused) {
+    if (mem_released(&self->m)) return NULL;
+    if (W_wake_readers(self) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *W_release(WriterCore *self, PyObject *unused) {
+    mem_drop(&self->m);
+    Py_RETURN_NONE;
+}
+
+static int W_getbuffer(WriterCore *self, Py_buffer *view, int flags) {
+    return mem_getbuffer(&self->m, (PyObject *)self, view, flags);
+}
+static void W_releasebuffer(WriterCore *self, Py_buffer *view) { mem_releasebuffer(&self->m); }
+
+static PyMethodDef W_methods[] = {
+    {"put_plain", (PyCFunction)(void (*)(void))W_put_plain, METH_FASTCALL,
+     "Write and publish one record without buffers if there is room now: the hot path."},
+    {"put_object", (PyCFunction)(void (*)(void))W_put_object, METH_FASTCALL,
+     "Pickle an object and put it as one plain record if it is one; else what is left."},
+    {"publish", (PyCFunction)W_publish, METH_NOARGS, "Make what was written visible."},
+    {"_wake_readers", (PyCFunction)W_wake_readers_py, METH_NOARGS,
+     "Wake each reader that sleeps in an episode not yet woken."},
+    {"release", (PyCFunction)W_release, METH_NOARGS,
+     "Stop touching the ring's memory (the segment is being unmapped)."},
+    {NULL}};
+
+#define U64M(type, name, doc) {#name, T_ULONGLONG, offsetof(type, name), 0, doc}
+#define U64RO(type, name, doc) {#name, T_ULONGLONG, offsetof(type, name), READONLY, doc}
+
+static PyMemberDef W_members[] = {
+    U64M(WriterCore, pos, "write cursor; beyond head while written records are unpublished"),
+    U64M(WriterCore, count, "messages written"),
+    U64M(WriterCore, head, "bytes published"),
+    U64M(WriterCore, head_count, "messages published"),
+    U64M(WriterCore, limit_pos, "the cursor may advance up to here without re-checking"),
+    U64M(WriterCore, limit_count, "and the count up to here"),
+    U64M(WriterCore, need_span, "bytes the last failed write waited for"),
+    U64M(WriterCore, need_count, "messages the last failed write waited for"),
+    U64M(WriterCore, wakeups, "wake-up syscalls made"),
+    U64M(WriterCore, publishes, "publications"),
+    U64M(WriterCore, sent, "messages put through put_plain"),
+    U64M(WriterCore, sent_bytes, "their payload bytes"),
+    U64RO(WriterCore, max_record, "largest record written whole"),
+    {"__weaklistoffset__", T_PYSSIZET, offsetof(WriterCore, weakreflist), READONLY},
+    {"__dictoffset__", T_PYSSIZET, offsetof(WriterCore, dict), READONLY},
+    {NULL}};
+
+static PyType_Slot W_slots[] = {
+    {Py_tp_doc, "The writer's per-message work: write, publish, wake sleeping readers."},
+    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_init, W_init},
+    {Py_tp_dealloc, W_dealloc},
+    {Py_tp_traverse, W_traverse},
+    {Py_tp_clear, W_clear},
+    {Py_tp_methods, W_methods},
+    {Py_tp_members, W_members},
+    {Py_bf_getbuffer, W_getbuffer},
+    {Py_bf_releasebuffer, W_releasebuffer},
+    {0, NULL}};
+
+static PyType_Spec W_spec = {
+    .name = "aioshmq._ringcore_c.WriterCore",
+    .basicsize = sizeof(WriterCore),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .slots = W_slots,
+};
+
+/* -- a reader -------------------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    Mem m;
+    unsigned long long index, tail, count, head, shown_tail, shown_count, wakeups, messages;
+    unsigned long long taken, taken_bytes, episode;
+    PyObject *pins;     /* list of (pos, count) of leased records, oldest first */
+    PyObject *partial;  /* a fragmented message being reassembled, or None */
+    char skipping;      /* joined in the middle of a fragmented message */
+    PyObject *wake_writer; /* the writer's Notifier */
+    int writer_eventfd;
+    PyObject *weakreflist;
+    PyObject *dict;
+} ReaderCore;
+
+static int R_init(ReaderCore *self, PyObject *args, PyObject *kwds) {
+    PyObject *buf, *wake;
+    Py_ssize_t data_offset;
+    unsigned long long cap, max_messages, readers, index;
+    static char *kwlist[] = {"mapping", "data_offset", "capacity",    "max_messages",
+                             "readers", "index",       "wake_writer", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OnKKKKO:ReaderCore", kwlist, &buf,
+                                     &data_offset, &cap, &max_messages, &readers, &index, &wake))
+        return -1;
+    if (index >= readers) {
+        PyErr_Format(PyExc_ValueError, "reader %llu of a ring with %llu slots", index, readers);
+        return -1;
+    }
+    if (mem_init(&self->m, buf, data_offset, cap, max_messages, readers) < 0) return -1;
+    int e = is_eventfd(wake);
+    if (e < 0) return -1;
+    self->writer_eventfd = e;
+    self->wake_writer = Py_NewRef(wake);
+    self->index = index;
+    self->tail = self->head = self->shown_tail = ld_acquire(rword(&self->m, index, R_TAIL));
+    self->count = self->shown_count = ld(rword(&self->m, index, R_TAIL_COUNT));
+    self->messages = 1;
+    self->pins = PyList_New(0);
+    if (self->pins == NULL) return -1;
+    self->partial = Py_NewRef(Py_None);
+    return 0;
+}
+
+static int R_traverse(ReaderCore *self, visitproc visit, void *arg) {
+    Py_VISIT(self->pins);
+    Py_VISIT(self->partial);
+    Py_VISIT(self->wake_writer);
+    Py_VISIT(self->dict);
+    Py_VISIT(Py_TYPE(self));
+    return 0;
+}
+
+static int R_clear(ReaderCore *self) {
+    Py_CLEAR(self->pins);
+    Py_CLEAR(self->partial);
+    Py_CLEAR(self->wake_writer);
+    Py_CLEAR(self->dict);
+    return 0;
+}
+
+static void R_dealloc(ReaderCore *self) {
+    PyObject_GC_UnTrack(self);
+    if (self->weakreflist != NULL) PyObject_ClearWeakRefs((PyObject *)self);
+    R_clear(self);
+    self->m.exports = 0;
+    mem_drop(&self->m);
+    PyTypeObject *tp = Py_TYPE(self);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+/* 1 if there is something past the tail, 0 if not, -1 on a corrupt head. */
+static int R_refresh_(ReaderCore *self) {
+    uint64_t head = ld_acquire(wword(&self->m, W_HEAD));
+    self->head = head;
+    if (head - self->tail > self->m.cap || head < self->tail) {
+        self->head = self->tail;
+        PyErr_Format(CorruptedError, "head %llu is %s reader %llu's tail %llu",
+                     (unsigned long long)head,
+                     head < self->tail ? "behind" : "more than a ring ahead of", self->index,
+                     self->tail);
+        return -1;
+    }
+    return self->tail != head;
+}
+
+static inline int R_available_(ReaderCore *self) {
+    return self->tail != self->head ? 1 : R_refresh_(self);
+}
+
+static int R_publish_(ReaderCore *self) {
+    Mem *m = &self->m;
+    uint64_t tail = self->tail, count = self->count;
+    if (self->pins == NULL || !PyList_Check(self->pins)) {
+        PyErr_SetString(PyExc_TypeError, "pins must be a list");
+        return -1;
+    }
+    if (PyList_GET_SIZE(self->pins)) {
+        PyObject *mark = PyList_GET_ITEM(self->pins, 0);
+        if (!PyTuple_Check(mark) || PyTuple_GET_SIZE(mark) != 2
+            || u64_arg(PyTuple_GET_ITEM(mark, 0), &tail) < 0
+            || u64_arg(PyTuple_GET_ITEM(mark, 1), &count) < 0) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "a pin is (pos, count)");
+            return -1;
+        }
+    }
+    st(rword(m, self->index, R_TAIL_COUNT), count);
+    st_release(rword(m, self->index, R_TAIL), tail);
+    full_fence();
+    if (ld(wword(m, W_SLEEP))) {
+        uint64_t want_pos = ld_acquire(wword(m, W_WANT_POS));
+        uint64_t want_count = ld(wword(m, W_WANT_COUNT));
+        if (tail >= want_pos && count >= want_count
+            && !(self->shown_tail >= want_pos && self->shown_count >= want_count)) {
+            self->wakeups++;
+            if (notify(self->wake_writer, self->writer_eventfd) < 0) return -1;
+        }
+    }
+    self->shown_tail = tail;
+    self->shown_count = count;
+    return 0;
+}
+
+static PyObject *R_refresh(ReaderCore *self, PyObject *unused) {
+    if (mem_released(&self->m)) return NULL;
+    int r = R_refresh_(self);
+    return r < 0 ? NULL : PyBool_FromLong(r);
+}
+
+static PyObject *R_available(ReaderCore *self, PyObject *unused) {
+    if (mem_released(&self->m)) return NULL;
+    int r = R_available_(self);
+    return r < 0 ? NULL : PyBool_FromLong(r);
+}
+
+static PyObject *R_publish(ReaderCore *self, PyObject *unused) {
+    if (mem_released(&self->m)) return NULL;
+    if (R_publish_(self) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* The next record's payload if it is one whole plain message, else NULL (no error set):
+ * every bound is checked here; next() reports what is wrong with anything refused. */
+static int R_peek_plain(ReaderCore *self, const uint8_t **payload, uint64_t *n) {
+    Mem *m = &self->m;
+    uint64_t tail = self->tail;
+    if (tail == self->head) {
+        int r = R_refresh_(self);
+        if (r <= 0) return r;
+    }
+    uint64_t cap = m->cap, off = tail % cap;
+    uint64_t word = ld(dword(m, off));
+    if ((word & 0xFF) != MSG || self->partial != Py_None || self->skipping) return 0;
+    uint64_t len = word >> 8;
+    if (len > cap || off + HEADER_SIZE + len > cap || tail + HEADER_SIZE + len > self->head)
+        return 0;
+    *payload = m->data + off + HEADER_SIZE;
+    *n = len;
+    return 1;
+}
+
+static PyObject *R_take_plain(ReaderCore *self, PyObject *unused) {
+    if (mem_released(&self->m)) return NULL;
+    const uint8_t *p;
+    uint64_t n;
+    int r = R_peek_plain(self, &p, &n);
+    if (r < 0) return NULL;
+    if (r == 0) Py_RETURN_NONE;
+    return mem_view(&self->m, (PyObject *)self, p, n);
+}
+
+static PyObject *R_consume_plain(ReaderCore *self, PyObject *payload) {
+    if (mem_released(&self->m)) return NULL;
+    Py_ssize_t n = PyObject_Length(payload);
+    if (n < 0) return NULL;
+    self->tail += record_size((uint64_t)n);
+    self->count += 1;
+    self->taken += 1;
+    self->taken_bytes += (uint64_t)n;
+    if (R_publish_(self) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* get_plain(loads, empty): the next plain message loaded with ``loads`` and consumed, or
+ * ``empty`` if the next record is anything else (or there is none). */
+static PyObject *R_get_plain(ReaderCore *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "get_plain(loads, empty)");
+        return NULL;
+    }
+    Mem *m = &self->m;
+    if (mem_released(m)) return NULL;
+    const uint8_t *p;
+    uint64_t n;
+    int r = R_peek_plain(self, &p, &n);
+    if (r < 0) return NULL;
+    if (r == 0) return Py_NewRef(args[1]);
+    PyObject *view = mem_view(m, (PyObject *)self, p, n);
+    if (view == NULL) return NULL;
+    PyObject *obj = PyObject_Vectorcall(args[0], &view, 1, NULL);
+    Py_DECREF(view);
+    if (m->base == NULL) { /* released while loading (closed from a __setstate__?) */
+        Py_XDECREF(obj);
+        mem_released(m);
+        return NULL;
+    }
+    self->tail += record_size(n);
+    self->count += 1;
+    self->taken += 1;
+    self->taken_bytes += n;
+    if (R_publish_(self) < 0) {
+        Py_XDECREF(obj);
+        return NULL;
+    }
+    return obj;
+}
+
+/* next(): the next whole message as (payload, kind, ring bytes), not consumed; None if none.
+ * Fragments go to the Python method _fragment(off, base, kind, length) of the subclass. */
+static PyObject *R_next(ReaderCore *self, PyObject *unused) {
+    Mem *m = &self->m;
+    if (mem_released(m)) return NULL;
+    uint64_t cap = m->cap;
+    for (;;) {
+        int r = R_available_(self);
+        if (r < 0) return NULL;
+        if (r == 0) Py_RETURN_NONE;
+        uint64_t off = self->tail % cap;
+        uint64_t word = ld(dword(m, off));
+        uint64_t kind = word & 0xFF, length = word >> 8;
+        if (length > cap || off + HEADER_SIZE + length > cap
+            || self->tail + HEADER_SIZE + length > self->head) {
+            int ring_end = length > cap || off + HEADER_SIZE + length > cap;
+            if (ring_end)
+                PyErr_Format(CorruptedError,
+                             "record at position %llu (kind %llu) claims %llu bytes, past the "
+                             "end of the ring",
+                             self->tail, (unsigned long long)kind, (unsigned long long)length);
+            else
+                PyErr_Format(CorruptedError,
+                             "record at position %llu (kind %llu) claims %llu bytes, past the "
+                             "head %llu",
+                             self->tail, (unsigned long long)kind, (unsigned long long)length,
+                             self->head);
+            return NULL;
+        }
+        uint64_t end = off + HEADER_SIZE + length;
+        uint64_t base = kind & KIND_MASK;
+        if (base == MSG) {
+            if (self->partial != Py_None || self->skipping) {
+                Py_SETREF(self->partial, Py_NewRef(Py_None));
+                self->skipping = 0; /* the writer gave that one up */
+            }
+            if (kind & BATCH) {
+                uint64_t k = ld(dword(m, off + 8));
+                if (k < 2 || k > m->max_messages) {
+                    PyErr_Format(CorruptedError,
+                                 "batch at position %llu claims %llu messages (max_messages=%llu)",
+                                 self->tail, (unsigned long long)k,
+                                 (unsigned long long)m->max_messages);
+                    return NULL;
+                }
+                self->messages = k;
+            } else {
+                self->messages = 1;
+            }
+            PyObject *view = mem_view(m, (PyObject *)self, m->data + off + HEADER_SIZE, length);
+            if (view == NULL) return NULL;
+            return Py_BuildValue("(NKK)", view, (unsigned long long)kind,
+                                 (unsigned long long)record_size(length));
+        }
+        if (base == PAD) {
+            if (end != cap) {
+                PyErr_Format(CorruptedError,
+                             "padding at position %llu of %llu bytes stops short of the end",
+                             self->tail, (unsigned long long)length);
+                return NULL;
+            }
+            self->tail += cap - off;
+        } else if (base == FIRST || base == MIDDLE || base == LAST) {
+            PyObject *whole = PyObject_CallMethod((PyObject *)self, "_fragment", "KKKK",
+                                                  (unsigned long long)off,
+                                                  (unsigned long long)base,
+                                                  (unsigned long long)kind,
+                                                  (unsigned long long)length);
+            if (whole == NULL) return NULL;
+            if (whole != Py_None) {
+                PyObject *pk = PyObject_GetAttrString((PyObject *)self, "partial_kind");
+                if (pk == NULL) {
+                    Py_DECREF(whole);
+                    return NULL;
+                }
+                return Py_BuildValue("(NNi)", whole, pk, 0);
+            }
+            Py_DECREF(whole);
+            if (mem_released(m)) return NULL;
+        } else {
+            PyErr_Format(CorruptedError, "unknown record kind %llu at position %llu",
+                         (unsigned long long)kind, self->tail);
+            return NULL;
+        }
+    }
+}
+
+static PyObject *R_prepare_sleep(ReaderCore *self, PyObject *unused) {
+    Mem *m = &self->m;
+    if (mem_released(m)) return NULL;
+    self->episode += 2;
+    st(rword(m, self->index, R_SLEEP), self->episode);
+    full_fence();
+    int r = R_available_(self);
+    if (r < 0) return NULL;
+    if (r || ld(wword(m, W_CLOSED))) {
+        st(rword(m, self->index, R_SLEEP), 0);
+        Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
+}
+
+static PyObject *R_end_sleep(ReaderCore *self, PyObject *unused) {
+    if (mem_released(&self->m)) return NULL;
+    st(rword(&self->m, self->index, R_SLEEP), 0);
+    Py_RETURN_NONE;
+}
+
+static PyObject *R_release(ReaderCore *self, PyObject *unused) {
+    mem_drop(&self->m);
+    Py_RETURN_NONE;
+}
+
+static int R_getbuffer(ReaderCore *self, Py_buffer *view, int flags) {
+    return mem_getbuffer(&self->m, (PyObject *)self, view, flags);
+}
+static void R_releasebuffer(ReaderCore *self, Py_buffer *view) { mem_releasebuffer(&self->m); }
+
+static PyMethodDef R_methods[] = {
+    {"refresh", (PyCFunction)R_refresh, METH_NOARGS,
+     "Load the published head; True if there is something past this reader's tail."},
+    {"available", (PyCFunction)R_available, METH_NOARGS, "Something to read now."},
+    {"publish", (PyCFunction)R_publish, METH_NOARGS,
+     "Store the tail; wake the writer if this step crossed the point it sleeps for."},
+    {"take_plain", (PyCFunction)R_take_plain, METH_NOARGS,
+     "The next record's payload if it is one whole message without buffers, else None."},
+    {"consume_plain", (PyCFunction)R_consume_plain, METH_O,
+     "Step past the record take_plain returned and publish the new tail."},
+    {"get_plain", (PyCFunction)(void (*)(void))R_get_plain, METH_FASTCALL,
+     "The next plain message, loaded and consumed; ``empty`` if the next is not plain."},
+    {"next", (PyCFunction)R_next, METH_NOARGS,
+     "The next whole message as (payload, kind, ring bytes), not consumed; None if none."},
+    {"prepare_sleep", (PyCFunction)R_prepare_sleep, METH_NOARGS,
+     "Announce that this reader is about to sleep; False if data or the end arrived."},
+    {"end_sleep", (PyCFunction)R_end_sleep, METH_NOARGS, "The reader is awake."},
+    {"release", (PyCFunction)R_release, METH_NOARGS,
+     "Stop touching the ring's memory (the segment is being unmapped)."},
+    {NULL}};
+
+static PyMemberDef R_members[] = {
+    U64RO(ReaderCore, index, "this reader's slot"),
+    U64M(ReaderCore, tail, "bytes consumed"),
+    U64M(ReaderCore, count, "messages consumed"),
+    U64M(ReaderCore, head, "the head last loaded"),
+    U64M(ReaderCore, shown_tail, "the tail last published"),
+    U64M(ReaderCore, shown_count, "the count last published"),
+    U64M(ReaderCore, wakeups, "wake-up syscalls made to the writer"),
+    U64M(ReaderCore, messages, "how many messages the record next() returned holds"),
+    U64M(ReaderCore, taken, "messages taken through the plain path"),
+    U64M(ReaderCore, taken_bytes, "their payload bytes"),
+    U64M(ReaderCore, episode, "the current sleep episode id"),
+    {"pins", T_OBJECT, offsetof(ReaderCore, pins), 0, "leased records, oldest first"},
+    {"partial", T_OBJECT, offsetof(ReaderCore, partial), 0, "a message being reassembled"},
+    {"skipping", T_BOOL, offsetof(ReaderCore, skipping), 0, "joined mid-message"},
+    {"__weaklistoffset__", T_PYSSIZET, offsetof(ReaderCore, weakreflist), READONLY},
+    {"__dictoffset__", T_PYSSIZET, offsetof(ReaderCore, dict), READONLY},
+    {NULL}};
+
+static PyType_Slot R_slots[] = {
+    {Py_tp_doc, "A reader's per-message work: read records, publish the tail, wake the writer."},
+    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_init, R_init},
+    {Py_tp_dealloc, R_dealloc},
+    {Py_tp_traverse, R_traverse},
+    {Py_tp_clear, R_clear},
+    {Py_tp_methods, R_methods},
+    {Py_tp_members, R_members},
+    {Py_bf_getbuffer, R_getbuffer},
+    {Py_bf_releasebuffer, R_releasebuffer},
+    {0, NULL}};
+
+static PyType_Spec R_spec = {
+    .name = "aioshmq._ringcore_c.ReaderCore",
+    .basicsize = sizeof(ReaderCore),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .slots = R_slots,
+};
+
+/* -- fences for the code that stays in Python ------------------------------------------------ */
+
+static PyObject *py_fence(PyObject *mod, PyObject *unused) {
+    full_fence();
+    Py_RETURN_NONE;
+}
+static PyObject *py_release(PyObject *mod, PyObject *unused) {
+    atomic_thread_fence(memory_order_release);
+    Py_RETURN_NONE;
+}
+static PyObject *py_acquire(PyObject *mod, PyObject *unused) {
+    atomic_thread_fence(memory_order_acquire);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"fence", py_fence, METH_NOARGS, "Full memory barrier (seq_cst)."},
+    {"release", py_release, METH_NOARGS, "Release fence: earlier accesses before later stores."},
+    {"acquire", py_acquire, METH_NOARGS, "Acquire fence: earlier loads before later accesses."},
+    {NULL}};
+
+static int add_int(PyObject *d, const char *name, long long v) {
+    PyObject *o = PyLong_FromLongLong(v);
+    if (o == NULL) return -1;
+    int r = PyDict_SetItemString(d, name, o);
+    Py_DECREF(o);
+    return r;
+}
+
+static int module_exec(PyObject *mod) {
+    PyObject *errors = PyImport_ImportModule("aioshmq._errors");
+    if (errors == NULL) return -1;
+    CorruptedError = PyObject_GetAttrString(errors, "CorruptedError");
+    Py_DECREF(errors);
+    if (CorruptedError == NULL) return -1;
+    str_refresh_limits = PyUnicode_InternFromString("refresh_limits");
+    str_fragment = PyUnicode_InternFromString("_fragment");
+    str_write_fd = PyUnicode_InternFromString("write_fd");
+    dumps_kwnames = Py_BuildValue("(ss)", "protocol", "buffer_callback");
+    five = PyLong_FromLong(5);
+    if (!str_refresh_limits || !str_fragment || !str_write_fd || !dumps_kwnames || !five)
+        return -1;
+    PyObject *w = PyType_FromModuleAndSpec(mod, &W_spec, NULL);
+    if (w == NULL || PyModule_AddObjectRef(mod, "WriterCore", w) < 0) {
+        Py_XDECREF(w);
+        return -1;
+    }
+    Py_DECREF(w);
+    PyObject *r = PyType_FromModuleAndSpec(mod, &R_spec, NULL);
+    if (r == NULL || PyModule_AddObjectRef(mod, "ReaderCore", r) < 0) {
+        Py_XDECREF(r);
+        return -1;
+    }
+    Py_DECREF(r);
+    PyObject *layout = PyDict_New();
+    if (layout == NULL) return -1;
+    if (add_int(layout, "LINE", LINE) || add_int(layout, "WRITER_LINE", WRITER_LINE)
+        || add_int(layout, "READER_LINES", READER_LINES)
+        || add_int(layout, "HEADER_SIZE", HEADER_SIZE)
+        || add_int(layout, "RECORD_ALIGN", RECORD_ALIGN) || add_int(layout, "W_HEAD", W_HEAD)
+        || add_int(layout, "W_HEAD_COUNT", W_HEAD_COUNT) || add_int(layout, "W_CLOSED", W_CLOSED)
+        || add_int(layout, "W_SLEEP", W_SLEEP) || add_int(layout, "W_WANT_POS", W_WANT_POS)
+        || add_int(layout, "W_WANT_COUNT", W_WANT_COUNT) || add_int(layout, "R_TAIL", R_TAIL)
+        || add_int(layout, "R_TAIL_COUNT", R_TAIL_COUNT) || add_int(layout, "R_SLEEP", R_SLEEP)
+        || add_int(layout, "PAD", PAD) || add_int(layout, "MSG", MSG)
+        || add_int(layout, "FIRST", FIRST) || add_int(layout, "MIDDLE", MIDDLE)
+        || add_int(layout, "LAST", LAST) || add_int(layout, "OOB", OOB)
+        || add_int(layout, "BATCH", BATCH) || add_int(layout, "KIND_MASK", KIND_MASK)
+        || PyModule_AddObjectRef(mod, "LAYOUT", layout) < 0) {
+        Py_DECREF(layout);
+        return -1;
+    }
+    Py_DECREF(layout);
+    return 0;
+}
+
+static PyModuleDef_Slot module_slots[] = {{Py_mod_exec, module_exec}, {0, NULL}};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "aioshmq._ringcore_c",
+    .m_doc = "The ring's per-message work in C: the compiled twin of aioshmq._ringcore.",
+    .m_size = 0,
+    .m_methods = module_methods,
+    .m_slots = module_slots,
+};
+
+PyMODINIT_FUNC PyInit__ringcore_c(void) { return PyModuleDef_Init(&module_def); }

@@ -1,0 +1,9 @@
+# The compiled twin of _ringcore: the same classes, constructors and methods.
+from ._ringcore import ReaderCore as ReaderCore
+from ._ringcore import WriterCore as WriterCore
+
+LAYOUT: dict[str, int]
+
+def fence() -> None: ...
+def release() -> None: ...
+def acquire() -> None: ...
