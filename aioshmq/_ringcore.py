@@ -208,6 +208,12 @@ class ReaderCore:
         """Load the published head; True if there is something past this reader's tail."""
         self.head = head = self._cwords[self._w_head]
         acquire()
+        if (head | self.tail) % L.RECORD_ALIGN:
+            self.head = self.tail
+            raise CorruptedError(
+                f"head {head} or reader {self.index}'s tail {self.tail} is not a record "
+                f"boundary (a multiple of {L.RECORD_ALIGN})"
+            )
         if not 0 <= head - self.tail <= self._cap:
             # The writer never runs more than a ring ahead of a reader it waits for.
             self.head = self.tail

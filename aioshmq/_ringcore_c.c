@@ -573,6 +573,14 @@ static void R_dealloc(ReaderCore *self) {
 static int R_refresh_(ReaderCore *self) {
     uint64_t head = ld_acquire(wword(&self->m, W_HEAD));
     self->head = head;
+    if ((head | self->tail) % RECORD_ALIGN) {
+        self->head = self->tail;
+        PyErr_Format(CorruptedError,
+                     "head %llu or reader %llu's tail %llu is not a record boundary (a "
+                     "multiple of %d)",
+                     (unsigned long long)head, self->index, self->tail, RECORD_ALIGN);
+        return -1;
+    }
     if (head - self->tail > self->m.cap || head < self->tail) {
         self->head = self->tail;
         PyErr_Format(CorruptedError, "head %llu is %s reader %llu's tail %llu",
@@ -652,7 +660,7 @@ static int R_peek_plain(ReaderCore *self, const uint8_t **payload, uint64_t *n) 
     uint64_t word = ld(dword(m, off));
     if ((word & 0xFF) != MSG || self->partial != Py_None || self->skipping) return 0;
     uint64_t len = word >> 8;
-    if (len > cap || off + HEADER_SIZE + len > cap || tail + HEADER_SIZE + len > self->head)
+    if (len > cap || off + HEADER_SIZE + len > cap || HEADER_SIZE + len > self->head - tail)
         return 0;
     *payload = m->data + off + HEADER_SIZE;
     *n = len;
@@ -729,7 +737,7 @@ static PyObject *R_next(ReaderCore *self, PyObject *unused) {
         uint64_t word = ld(dword(m, off));
         uint64_t kind = word & 0xFF, length = word >> 8;
         if (length > cap || off + HEADER_SIZE + length > cap
-            || self->tail + HEADER_SIZE + length > self->head) {
+            || HEADER_SIZE + length > self->head - self->tail) {
             int ring_end = length > cap || off + HEADER_SIZE + length > cap;
             if (ring_end)
                 PyErr_Format(CorruptedError,

@@ -1,0 +1,334 @@
+"""The two ring cores: the compiled one and its pure reference write the same bytes, read them
+the same way (scribbled ones included), and their ends share a ring across processes."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+from conftest import Children, run_backend
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import aioshmq
+from aioshmq import _layout as L
+from aioshmq import _ringcore
+from aioshmq._errors import CorruptedError
+from aioshmq._layout import Layout, record_size
+from aioshmq._switch import PURE_ENV
+
+try:
+    from aioshmq import _ringcore_c
+except ImportError:  # pragma: no cover - a machine without a compiler
+    _ringcore_c = None  # type: ignore[assignment]
+
+needs_compiled = pytest.mark.skipif(_ringcore_c is None, reason="the compiled core is not built")
+CORES = [pytest.param(_ringcore, id="pure"), pytest.param(_ringcore_c, id="compiled")]
+
+
+@needs_compiled
+def test_the_compiled_core_uses_the_layout_of_the_pure_one() -> None:
+    assert _ringcore_c.LAYOUT == {name: getattr(L, name) for name in _ringcore_c.LAYOUT}
+
+
+def test_the_switch_names_the_core_that_runs() -> None:
+    from aioshmq import _ring
+
+    forced = os.environ.get(PURE_ENV, "") not in ("", "0")
+    if forced:
+        assert aioshmq.CORE == f"pure ({PURE_ENV} is set)"
+    elif _ringcore_c is not None:
+        assert aioshmq.CORE == "compiled"
+    compiled = aioshmq.CORE == "compiled"
+    assert (_ring.RingWriter.__mro__[1].__module__ == "aioshmq._ringcore_c") == compiled
+    assert (_ring.RingReader.__mro__[1].__module__ == "aioshmq._ringcore_c") == compiled
+
+
+# -- the same bytes ---------------------------------------------------------------------------
+
+
+class _Closed:
+    """A notifier whose fd was closed: a wake-up through it goes nowhere."""
+
+    kind = "eventfd"
+    write_fd = -1
+
+    def signal(self) -> None:
+        pass
+
+
+def _memory(layout: Layout) -> bytearray:
+    """A ring on the heap (AddressSanitizer sees an overrun of it), header written."""
+    mem = bytearray(layout.size)
+    layout.write_header(memoryview(mem), os.getpid())
+    return mem
+
+
+def _writer(core: Any, mem: bytearray, layout: Layout) -> Any:
+    class Writer(core.WriterCore):  # type: ignore[misc, name-defined]
+        def refresh_limits(self) -> tuple[int, int]:
+            words = memoryview(mem).cast("Q")
+            tail = words[layout.reader_word(0, L.R_TAIL)]
+            count = words[layout.reader_word(0, L.R_TAIL_COUNT)]
+            self.limit_pos = tail + layout.capacity
+            self.limit_count = count + layout.max_messages
+            return tail, count
+
+    return Writer(mem, layout.data_offset, layout.capacity, layout.max_messages, 1, [_Closed()])
+
+
+def _reader(core: Any, mem: bytearray, layout: Layout) -> Any:
+    class Reader(core.ReaderCore):  # type: ignore[misc, name-defined]
+        partial_kind = L.MSG
+
+        def _fragment(self, off: int, base: int, kind: int, length: int) -> None:
+            self.tail += record_size(length)  # fragments are _ring's business: step over
+
+    return Reader(mem, layout.data_offset, layout.capacity, layout.max_messages, 1, 0, _Closed())
+
+
+_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("put"), st.integers(0, 1500), st.sampled_from([1, 2, 5])),
+        st.tuples(st.just("get"), st.integers(1, 6), st.just(0)),
+    ),
+    max_size=60,
+)
+
+
+@needs_compiled
+@settings(max_examples=60, deadline=None)
+@given(_ops)
+def test_both_cores_write_and_read_the_same_bytes(ops: list[tuple[str, int, int]]) -> None:
+    layout = Layout(4096, 9, 1)
+    sides = []
+    for core in (_ringcore, _ringcore_c):
+        mem = _memory(layout)
+        sides.append((mem, _writer(core, mem, layout), _reader(core, mem, layout)))
+    for op, a, b in ops:
+        results = []
+        for mem, w, r in sides:
+            if op == "put":
+                payload = bytes([a % 251]) * a
+                results.append(w.put_plain(payload, L.MSG | (L.BATCH if b > 1 else 0), b))
+            else:
+                got = []
+                for _ in range(a):
+                    if b"" != (msg := r.get_plain(bytes, b"")):
+                        got.append(msg)
+                    elif (nxt := r.next()) is not None:  # a batch: next() then consume
+                        got.append((bytes(nxt[0]), nxt[1], nxt[2], r.messages))
+                        r.tail += nxt[2]
+                        r.count += r.messages
+                        r.publish()
+                results.append(got)
+            results.append((w.pos, w.count, w.head, w.head_count, w.need_span, w.need_count))
+            results.append((r.tail, r.count, r.head, r.shown_tail, r.taken, r.taken_bytes))
+        half = len(results) // 2
+        assert results[:half] == results[half:], op
+        assert sides[0][0] == sides[1][0]  # byte for byte
+
+
+# -- scribbled rings ----------------------------------------------------------------------------
+
+
+def _outcome(core: Any, mem: bytearray, layout: Layout, steps: int) -> list[Any]:
+    r = _reader(core, bytearray(mem), layout)
+    seen: list[Any] = []
+    try:
+        for _ in range(steps):
+            msg = r.get_plain(bytes, None)
+            if msg is not None:
+                seen.append(("plain", msg))
+                continue
+            nxt = r.next()
+            if nxt is None:
+                seen.append("none")
+                break
+            payload, kind, size = nxt
+            assert len(payload) <= layout.capacity
+            seen.append((bytes(payload), kind, size, r.messages))
+            r.tail += size
+            r.count += r.messages
+            r.publish()
+        seen.append(r.prepare_sleep())
+    except CorruptedError as exc:
+        seen.append(("corrupt", str(exc)))
+    return seen
+
+
+_word = st.one_of(
+    st.integers(0, 1 << 16),
+    st.integers(0, 1 << 62),
+    st.builds(lambda n, k: (n << 8) | k, st.integers(0, 5000), st.integers(0, 0x3F)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    scribbles=st.lists(st.tuples(st.integers(0, 4096 // 8 - 1), _word), max_size=12),
+    head=st.integers(0, 1 << 62),
+    tail=st.integers(0, 1 << 62),
+    steps=st.integers(1, 20),
+)
+def test_a_scribbled_ring_gives_corrupted_error_never_a_stray_read(
+    scribbles: list[tuple[int, int]], head: int, tail: int, steps: int
+) -> None:
+    """Random record headers, lengths, head and tail: each core reads inside the ring or
+    raises CorruptedError, and both cores tell the same story."""
+    layout = Layout(4096, 9, 1)
+    mem = _memory(layout)
+    words = memoryview(mem).cast("Q")
+    data = layout.data_offset // 8
+    for k in range(3):  # a few honest 64-byte records first, then the scribbles over them
+        words[data + 8 * k] = (40 << 8) | L.MSG
+    for index, value in scribbles:
+        words[data + index] = value
+    words[layout.writer_word(L.W_HEAD)] = head
+    words[layout.reader_word(0, L.R_TAIL)] = tail
+    pure = _outcome(_ringcore, mem, layout, steps)
+    if _ringcore_c is not None:
+        assert _outcome(_ringcore_c, mem, layout, steps) == pure
+
+
+def test_a_released_core_refuses_to_touch_memory() -> None:
+    layout = Layout(4096, 9, 1)
+    for core in (_ringcore, _ringcore_c) if _ringcore_c is not None else (_ringcore,):
+        mem = _memory(layout)
+        w, r = _writer(core, mem, layout), _reader(core, mem, layout)
+        w.release()
+        r.release()
+        with pytest.raises(ValueError):
+            w.put_plain(b"x")
+        with pytest.raises(ValueError):
+            r.get_plain(bytes, None)
+
+
+@needs_compiled
+def test_a_view_handed_out_keeps_the_memory_until_it_goes() -> None:
+    """A payload view outlives its core's release: the mapping stays until the view dies."""
+    layout = Layout(4096, 9, 1)
+    mem = _memory(layout)
+    w, r = _writer(_ringcore_c, mem, layout), _reader(_ringcore_c, mem, layout)
+    assert w.put_plain(b"abc")
+    view = r.take_plain()
+    r.release()
+    with pytest.raises(BufferError):
+        mem.extend(b"x")  # still exported: the bytearray cannot move
+    assert bytes(view) == b"abc"
+    view.release()
+    w.release()
+    mem.extend(b"x")
+
+
+# -- ends of either kind on one ring ------------------------------------------------------------
+
+
+def _child_reader(name: str, expect_core: str, n: int) -> None:
+    async def main() -> None:
+        assert aioshmq.CORE.startswith(expect_core), aioshmq.CORE
+        async with aioshmq.connect(name, spin=0) as r:
+            for i in range(n):
+                msg = await r.get()
+                if msg != ("m", i):
+                    raise SystemExit(f"message {i}: {msg!r}")
+            batch = await r.get_many(5)
+            batch += await r.get_many(5 - len(batch)) if len(batch) < 5 else []
+            if batch != [("b", j) for j in range(5)]:
+                raise SystemExit(f"batch: {batch!r}")
+            arr = await r.get()
+            if arr.shape != (300_000,) or int(arr.sum()) != 299_999 * 300_000 // 2:
+                raise SystemExit("array damaged")
+            with anyio.fail_after(30):
+                try:
+                    await r.get()
+                except anyio.EndOfStream:
+                    return
+            raise SystemExit("expected the end of the stream")
+
+    run_backend("asyncio", main)
+
+
+def _child_writer(name: str, created: Any, expect_core: str, n: int) -> None:
+    async def main() -> None:
+        assert aioshmq.CORE.startswith(expect_core), aioshmq.CORE
+        async with aioshmq.create(capacity=16384, max_messages=64, name=name) as w:
+            created.set()
+            await w.wait_readers()
+            for i in range(n):
+                await w.put(("m", i))
+            await w.put_many([("b", j) for j in range(5)])
+            await w.put(np.arange(300_000, dtype=np.int64))
+
+    run_backend("asyncio", main)
+
+
+async def _read_all(name: str, n: int) -> None:
+    with anyio.fail_after(60):
+        async with aioshmq.connect(name, spin=0) as r:
+            for i in range(n):
+                assert await r.get() == ("m", i)
+            assert [await r.get() for _ in range(5)] == [("b", j) for j in range(5)]
+            arr = await r.get()
+            assert int(arr.sum()) == 299_999 * 300_000 // 2
+            with pytest.raises(anyio.EndOfStream):
+                await r.get()
+
+
+@needs_compiled
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("child_writes", [False, True], ids=["reader-child", "writer-child"])
+async def test_ends_of_either_core_share_a_ring(
+    anyio_backend: str,
+    child_writes: bool,
+    children: Children,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """This process runs one core, a spawned child the other: messages (plain, a batch, an
+    array out of band, one larger than the ring), backpressure and wake-ups all cross."""
+    n = 3000  # far more than the ring holds: both sides sleep and wake each other
+    other = "pure" if aioshmq.CORE == "compiled" else "compiled"
+    monkeypatch.setenv(PURE_ENV, "1" if other == "pure" else "0")
+    if child_writes:
+        name = f"interop-{os.getpid()}-{id(children)}"
+        created = multiprocessing.get_context("spawn").Event()
+        await anyio.to_thread.run_sync(
+            children.start, "spawn", _child_writer, name, created, other, n
+        )
+        assert await anyio.to_thread.run_sync(created.wait, 60)
+        await _read_all(name, n)
+    else:
+        async with aioshmq.create(capacity=16384, max_messages=64) as w:
+            await anyio.to_thread.run_sync(
+                children.start, "spawn", _child_reader, w.name, other, n
+            )
+            with anyio.fail_after(60):
+                await w.wait_readers()
+                for i in range(n):
+                    await w.put(("m", i))
+                await w.put_many([("b", j) for j in range(5)])
+                await w.put(np.arange(300_000, dtype=np.int64))
+    assert await anyio.to_thread.run_sync(children.join) == [0]
+
+
+def test_put_object_hands_back_what_it_did_not_write() -> None:
+    layout = Layout(4096, 9, 1)
+    for core in (_ringcore, _ringcore_c) if _ringcore_c is not None else (_ringcore,):
+        mem = _memory(layout)
+        w = _writer(core, mem, layout)
+        assert w.put_object(("small", 1), pickle.dumps) is None
+        assert w.put_object(np.zeros(3), pickle.dumps) == ()
+        main, found = w.put_object(pickle.PickleBuffer(b"abc"), pickle.dumps)
+        assert [bytes(b) for b in found] == [b"abc"] and isinstance(main, bytes)
+        main, found = w.put_object(b"x" * 3000, pickle.dumps)  # larger than half the ring
+        assert found == [] and pickle.loads(main) == b"x" * 3000
+        with pytest.raises((pickle.PicklingError, AttributeError)):
+            w.put_object(lambda: 0, pickle.dumps)
+        assert w.put_object(("after", 2), pickle.dumps) is None  # nothing lost or stuck
+        r = _reader(core, mem, layout)
+        assert [r.get_plain(pickle.loads, None) for _ in range(3)] == [("small", 1), ("after", 2), None]
