@@ -28,7 +28,8 @@ except ImportError:  # pragma: no cover - a machine without a compiler
     _ringcore_c = None  # type: ignore[assignment]
 
 needs_compiled = pytest.mark.skipif(_ringcore_c is None, reason="the compiled core is not built")
-CORES = [pytest.param(_ringcore, id="pure"), pytest.param(_ringcore_c, id="compiled")]
+# tools/fuzz_sanitized.sh raises these under AddressSanitizer and UBSan.
+EXAMPLES = int(os.environ.get("AIOSHMQ_FUZZ_EXAMPLES", "0")) or None
 
 
 @needs_compiled
@@ -102,7 +103,7 @@ _ops = st.lists(
 
 
 @needs_compiled
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=EXAMPLES or 60, deadline=None)
 @given(_ops)
 def test_both_cores_write_and_read_the_same_bytes(ops: list[tuple[str, int, int]]) -> None:
     layout = Layout(4096, 9, 1)
@@ -162,22 +163,27 @@ def _outcome(core: Any, mem: bytearray, layout: Layout, steps: int) -> list[Any]
     return seen
 
 
+_kind = st.one_of(
+    st.sampled_from([L.PAD, L.MSG, L.FIRST, L.MIDDLE, L.LAST, L.MSG | L.OOB, L.MSG | L.BATCH]),
+    st.integers(0, 0xFF),
+)
 _word = st.one_of(
-    st.integers(0, 1 << 16),
-    st.integers(0, 1 << 62),
-    st.builds(lambda n, k: (n << 8) | k, st.integers(0, 5000), st.integers(0, 0x3F)),
+    st.builds(lambda n, k: (n << 8) | k, st.integers(0, 5000), _kind),  # a record header
+    st.builds(lambda n, k: (n << 8) | k, st.integers(0, (1 << 56) - 1), _kind),
+    st.integers(0, 300),  # a batch count, a fragment total
+    st.integers(0, (1 << 64) - 1),
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=EXAMPLES or 300, deadline=None)
 @given(
-    scribbles=st.lists(st.tuples(st.integers(0, 4096 // 8 - 1), _word), max_size=12),
-    head=st.integers(0, 1 << 62),
-    tail=st.integers(0, 1 << 62),
+    scribbles=st.lists(st.tuples(st.integers(0, 4096 // 8 - 1), _word), max_size=16),
+    tail=st.one_of(st.integers(0, 1000).map(lambda k: 16 * k), st.integers(0, 1 << 62)),
+    ahead=st.one_of(st.integers(0, 300).map(lambda k: 16 * k), st.integers(0, 1 << 62)),
     steps=st.integers(1, 20),
 )
 def test_a_scribbled_ring_gives_corrupted_error_never_a_stray_read(
-    scribbles: list[tuple[int, int]], head: int, tail: int, steps: int
+    scribbles: list[tuple[int, int]], tail: int, ahead: int, steps: int
 ) -> None:
     """Random record headers, lengths, head and tail: each core reads inside the ring or
     raises CorruptedError, and both cores tell the same story."""
@@ -185,11 +191,11 @@ def test_a_scribbled_ring_gives_corrupted_error_never_a_stray_read(
     mem = _memory(layout)
     words = memoryview(mem).cast("Q")
     data = layout.data_offset // 8
-    for k in range(3):  # a few honest 64-byte records first, then the scribbles over them
+    for k in range(64):  # honest 64-byte records all round, then the scribbles over them
         words[data + 8 * k] = (40 << 8) | L.MSG
     for index, value in scribbles:
         words[data + index] = value
-    words[layout.writer_word(L.W_HEAD)] = head
+    words[layout.writer_word(L.W_HEAD)] = min(tail + ahead, (1 << 64) - 1)
     words[layout.reader_word(0, L.R_TAIL)] = tail
     pure = _outcome(_ringcore, mem, layout, steps)
     if _ringcore_c is not None:
