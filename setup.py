@@ -39,8 +39,15 @@ setup(
         Extension(
             "aioshmq._ringcore_c",
             ["aioshmq/_ringcore_c.c"],
-            extra_compile_args=["-std=gnu11", "-O2", "-Wall", "-Wextra", "-Wno-unused-parameter",
-                                "-Wno-missing-field-initializers", "-Wno-cast-function-type"],
+            extra_compile_args=[
+                "-std=gnu11",
+                "-O2",
+                "-Wall",
+                "-Wextra",
+                "-Wno-unused-parameter",
+                "-Wno-missing-field-initializers",
+                "-Wno-cast-function-type",
+            ],
         )
     ],
     cmdclass={"build_ext": OptionalBuildExt},

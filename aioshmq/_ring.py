@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import struct
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Final
 
 from . import _layout as L
@@ -25,7 +25,7 @@ from ._segment import Segment
 from ._serialize import Buffer
 
 if _switch.COMPILED:
-    from ._ringcore_c import ReaderCore, WriterCore  # noqa: F811 - the switch
+    from ._ringcore_c import ReaderCore, WriterCore
 
 PENDING: Final = 0  # never attached: keeps every message for the reader to come
 ATTACHED: Final = 1
@@ -149,7 +149,12 @@ class RingWriter(WriterCore):
 
     def __init__(self, seg: Segment, layout: Layout, gate: Gate, wake: list[Notifier]) -> None:
         super().__init__(
-            seg.mapping, layout.data_offset, layout.capacity, layout.max_messages, layout.readers, wake
+            seg.mapping,
+            layout.data_offset,
+            layout.capacity,
+            layout.max_messages,
+            layout.readers,
+            wake,
         )
         seg.track(self)  # the core lets go of the memory before the segment unmaps it
         self.seg = seg

@@ -7,23 +7,17 @@ writers, slots, relays) lives in ``_ring``'s subclasses and runs on either.
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from . import _layout as L
 from ._atomics import acquire, fence, release
 from ._errors import CorruptedError
 from ._layout import record_size
-from ._serialize import Buffer
+from ._notify import Notifier
 
 _NDARRAY = "numpy.ndarray"
-
-
-class _Notifier(Protocol):
-    kind: str
-    write_fd: int
-
-    def signal(self) -> None: ...
 
 
 def _type_name(obj: object) -> str:
@@ -36,12 +30,12 @@ class WriterCore:
 
     def __init__(
         self,
-        mapping: Buffer,
+        mapping: mmap.mmap | bytearray,
         data_offset: int,
         capacity: int,
         max_messages: int,
         readers: int,
-        wake: Sequence[_Notifier],
+        wake: Sequence[Notifier],
     ) -> None:
         buf = self._cbuf = memoryview(mapping)
         self._cdata = buf[data_offset : data_offset + capacity]
@@ -157,13 +151,13 @@ class ReaderCore:
 
     def __init__(
         self,
-        mapping: Buffer,
+        mapping: mmap.mmap | bytearray,
         data_offset: int,
         capacity: int,
         max_messages: int,
         readers: int,
         index: int,
-        wake_writer: _Notifier,
+        wake_writer: Notifier,
     ) -> None:
         if not 0 <= index < readers:
             raise ValueError(f"reader {index} of a ring with {readers} slots")

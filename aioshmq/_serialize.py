@@ -94,7 +94,7 @@ class PickleSerializer(Serializer):
 
     def _pickle_in_band(self, obj: Any) -> Buffer:
         try:
-            return self._dumps(obj, protocol=5)  # type: ignore[no-any-return]
+            return self._dumps(obj, protocol=5)
         except MemoryError:
             raise
         except Exception as exc:

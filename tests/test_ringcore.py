@@ -34,7 +34,7 @@ EXAMPLES = int(os.environ.get("AIOSHMQ_FUZZ_EXAMPLES", "0")) or None
 
 @needs_compiled
 def test_the_compiled_core_uses_the_layout_of_the_pure_one() -> None:
-    assert _ringcore_c.LAYOUT == {name: getattr(L, name) for name in _ringcore_c.LAYOUT}
+    assert {name: getattr(L, name) for name in _ringcore_c.LAYOUT} == _ringcore_c.LAYOUT
 
 
 def test_the_switch_names_the_core_that_runs() -> None:
@@ -42,7 +42,7 @@ def test_the_switch_names_the_core_that_runs() -> None:
 
     forced = os.environ.get(PURE_ENV, "") not in ("", "0")
     if forced:
-        assert aioshmq.CORE == f"pure ({PURE_ENV} is set)"
+        assert f"pure ({PURE_ENV} is set)" == aioshmq.CORE
     elif _ringcore_c is not None:
         assert aioshmq.CORE == "compiled"
     compiled = aioshmq.CORE == "compiled"
@@ -113,14 +113,14 @@ def test_both_cores_write_and_read_the_same_bytes(ops: list[tuple[str, int, int]
         sides.append((mem, _writer(core, mem, layout), _reader(core, mem, layout)))
     for op, a, b in ops:
         results = []
-        for mem, w, r in sides:
+        for _mem, w, r in sides:
             if op == "put":
                 payload = bytes([a % 251]) * a
                 results.append(w.put_plain(payload, L.MSG | (L.BATCH if b > 1 else 0), b))
             else:
                 got = []
                 for _ in range(a):
-                    if b"" != (msg := r.get_plain(bytes, b"")):
+                    if (msg := r.get_plain(bytes, b"")) != b"":
                         got.append(msg)
                     elif (nxt := r.next()) is not None:  # a batch: next() then consume
                         got.append((bytes(nxt[0]), nxt[1], nxt[2], r.messages))
@@ -310,9 +310,7 @@ async def test_ends_of_either_core_share_a_ring(
         await _read_all(name, n)
     else:
         async with aioshmq.create(capacity=16384, max_messages=64) as w:
-            await anyio.to_thread.run_sync(
-                children.start, "spawn", _child_reader, w.name, other, n
-            )
+            await anyio.to_thread.run_sync(children.start, "spawn", _child_reader, w.name, other, n)
             with anyio.fail_after(60):
                 await w.wait_readers()
                 for i in range(n):
@@ -337,4 +335,8 @@ def test_put_object_hands_back_what_it_did_not_write() -> None:
             w.put_object(lambda: 0, pickle.dumps)
         assert w.put_object(("after", 2), pickle.dumps) is None  # nothing lost or stuck
         r = _reader(core, mem, layout)
-        assert [r.get_plain(pickle.loads, None) for _ in range(3)] == [("small", 1), ("after", 2), None]
+        assert [r.get_plain(pickle.loads, None) for _ in range(3)] == [
+            ("small", 1),
+            ("after", 2),
+            None,
+        ]
