@@ -315,6 +315,16 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
 
     def _wait_sync(self, deadline: float | None) -> None:
         ring = self._ring
+        spin = self._spinner.budget()
+        if spin:
+            # No loop to yield to: look at the ring for a moment before sleeping (the GIL
+            # is given up every few microseconds meanwhile, as for any busy thread).
+            end = time.monotonic() + spin
+            while time.monotonic() < end:
+                if ring.available() or ring.w[ring.w_closed]:
+                    self._spinner.hit()
+                    return
+            self._spinner.miss()
         token = self._hold(False)
         try:
             self._wake.drain()
@@ -440,6 +450,15 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         self._refuse_in_loop("get_sync", "reader.get()")
         if self._lock.locked():
             raise busy("an async get is under way on this reader")
+        if not self._pending and self._deferred is None:
+            try:
+                obj = self._ring.get_plain(self._loads_plain, _EMPTY)
+            except ValueError:
+                if self._closed:  # closed by another thread meanwhile
+                    raise self._closed_error() from None
+                raise
+            if obj is not _EMPTY:
+                return obj  # type: ignore[no-any-return]
         deadline = deadline_of(timeout)
         try:
             while (obj := self._poll()) is _EMPTY:

@@ -62,6 +62,7 @@ class WriterCore:
         self.max_record = capacity // 2
         self._found: list[Any] = []
         self._in_dumps = 0
+        self.dumps_failed = False  # the last put_object's error came from dumps
 
     def refresh_limits(self) -> tuple[int, int]:
         raise NotImplementedError
@@ -103,12 +104,15 @@ class WriterCore:
         fits now: None.  Otherwise nothing is written, and what is left is returned: ``()``
         for a numpy array (the serializer has a faster way for those), else ``(main,
         [PickleBuffer, ...])``."""
+        self.dumps_failed = False
         if _type_name(obj) == _NDARRAY:
             return ()
         found: list[Any] = self._found if not self._in_dumps else []
         self._in_dumps += 1
+        self.dumps_failed = True  # until dumps returns: says whose error an error is
         try:
             main = dumps(obj, protocol=5, buffer_callback=found.append)
+            self.dumps_failed = False
         finally:
             self._in_dumps -= 1
             buffers = found[:]

@@ -217,6 +217,7 @@ typedef struct {
     PyObject *found;       /* list the pickler's buffer_callback appends to */
     PyObject *found_append;
     int in_dumps;
+    char dumps_failed;     /* the last put_object's error came from dumps */
     PyObject *weakreflist;
     PyObject *dict;
 } WriterCore;
@@ -375,6 +376,7 @@ static PyObject *W_put_object(WriterCore *self, PyObject *const *args, Py_ssize_
         PyErr_SetString(PyExc_TypeError, "put_object(obj, dumps)");
         return NULL;
     }
+    self->dumps_failed = 0;
     if (mem_released(&self->m)) return NULL;
     PyObject *obj = args[0];
     if (strcmp(Py_TYPE(obj)->tp_name, "numpy.ndarray") == 0) return PyTuple_New(0);
@@ -398,7 +400,10 @@ static PyObject *W_put_object(WriterCore *self, PyObject *const *args, Py_ssize_
     Py_DECREF(append);
     PyObject *result = NULL;
     Py_ssize_t nbuf = PyList_GET_SIZE(found);
-    if (main == NULL) goto done;
+    if (main == NULL) {
+        self->dumps_failed = 1;
+        goto done;
+    }
     if (nbuf || !PyBytes_Check(main)) {
         PyObject *bufs = PyList_GetSlice(found, 0, nbuf);
         if (bufs != NULL) result = PyTuple_Pack(2, main, bufs);
@@ -473,6 +478,8 @@ static PyMemberDef W_members[] = {
     U64M(WriterCore, sent, "messages put through put_plain"),
     U64M(WriterCore, sent_bytes, "their payload bytes"),
     U64RO(WriterCore, max_record, "largest record written whole"),
+    {"dumps_failed", T_BOOL, offsetof(WriterCore, dumps_failed), 0,
+     "the last put_object's error came from dumps"},
     {"__weaklistoffset__", T_PYSSIZET, offsetof(WriterCore, weakreflist), READONLY},
     {"__dictoffset__", T_PYSSIZET, offsetof(WriterCore, dict), READONLY},
     {NULL}};

@@ -25,7 +25,7 @@ from ._layout import Layout
 from ._notify import Notifier, NotifierKind, default_kind
 from ._ring import ATTACHED, DEAD, PENDING, Frame, Gate, RingWriter
 from ._segment import Segment
-from ._serialize import SerializerSpec, resolve, unserializable
+from ._serialize import Buffer, SerializerSpec, resolve, unserializable
 
 T = TypeVar("T")
 
@@ -134,7 +134,7 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         self._layout = layout
         self._ser = serializer
         # pickle.dumps's signature, for the core's one-call pickle-and-put (None: not pickle)
-        self._pickler = getattr(serializer, "pickler", None)
+        self._pickler: Callable[..., Any] | None = getattr(serializer, "pickler", None)
         self._name = name
         self._on_death = on_reader_death
         self._messages = 0
@@ -330,16 +330,12 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         elif (cancelled := pending_checkpoint()) is not None:
             await cancelled()
         ring = self._ring
-        if self._pickler is not None and not self._lock.locked():
-            try:
-                rest = ring.put_object(obj, self._pickler)
-            except MemoryError:
-                raise
-            except Exception as exc:
-                raise unserializable(obj, exc, self._ser.name) from exc
-            if rest is None:
+        pickler = self._pickler
+        if pickler is not None and not self._lock.locked():
+            parts = self._put_object(obj, pickler)
+            if parts is None:
                 return
-            main, buffers = self._ser.finish(obj, rest)
+            main, buffers = parts
         else:
             main, buffers = self._ser.dumps(obj)
         if not buffers:
@@ -354,6 +350,24 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
             self._bytes += frame.length
             return
         await self._run([frame])
+
+    def _put_object(
+        self, obj: T, pickler: Callable[..., Any]
+    ) -> tuple[Buffer, list[memoryview]] | None:
+        """Pickle ``obj`` and, if it is one plain record with room for it now, put it in the
+        same call of the ring core: None.  Otherwise nothing is written: its parts."""
+        ring = self._ring
+        try:
+            rest = ring.put_object(obj, pickler)
+        except Exception as exc:
+            if ring.dumps_failed and not isinstance(exc, MemoryError):
+                raise unserializable(obj, exc, self._ser.name) from exc
+            if self._closed and isinstance(exc, ValueError):  # closed by another thread
+                raise self._closed_error() from None
+            raise
+        if rest is None:
+            return None
+        return self._ser.finish(obj, rest)  # type: ignore[no-any-return]
 
     async def send(self, item: T) -> None:
         """Same as ``put`` (the anyio stream interface)."""
@@ -427,7 +441,13 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         self._refuse_in_loop("put_sync", "writer.put(obj)")
         if self._lock.locked():
             raise busy("an async put or wait_readers is under way on this writer")
-        frame = self._frame(obj)
+        if self._pickler is not None:
+            parts = self._put_object(obj, self._pickler)
+            if parts is None:
+                return
+            frame = Frame(*parts)
+        else:
+            frame = self._frame(obj)
         deadline = deadline_of(timeout)
         steps = self._steps([frame], self._atomic([frame]))
         try:

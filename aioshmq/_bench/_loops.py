@@ -7,6 +7,7 @@ import importlib
 import mmap
 import os
 import time
+from functools import partial
 from typing import Any, TypedDict
 
 import anyio
@@ -71,6 +72,10 @@ async def pump(
     """Send ``warmup`` messages, then more for ``seconds`` (at least ``min_messages``), then
     STOP; how many were sent in all.  Nothing starts before every receiver is attached."""
     await tx.wait_ready()
+    if tx.blocking:
+        return await anyio.to_thread.run_sync(
+            partial(_pump_sync, tx, workload, seconds, min_messages, warmup)
+        )
     make = workload.make
     make(0)  # allocate what the messages need before anything is timed
     total = warmup + max(min_messages, 1)
@@ -92,11 +97,44 @@ async def pump(
     return n
 
 
+def _pump_sync(
+    tx: Sender, workload: Workload, seconds: float, min_messages: int, warmup: int
+) -> int:
+    """``pump`` one message at a time in a thread without an event loop."""
+    make, send = workload.make, tx.send_sync
+    make(0)
+    total = warmup + max(min_messages, 1)
+    deadline = float("inf")
+    n = 0
+    while n < total or time.monotonic() < deadline:
+        if n == warmup:
+            deadline = time.monotonic() + seconds
+        send(make(n))
+        n += 1
+    send(STOP)
+    return n
+
+
+def _drain_sync(rx: Receiver, workload: Workload, warmup: int) -> tuple[int, float]:
+    """``drain`` one message at a time in a thread without an event loop."""
+    check, recv = workload.check, rx.recv_sync
+    n = 0
+    t_first = 0.0
+    while (msg := recv()) is not STOP:
+        if n == warmup:
+            t_first = time.monotonic()
+        check(msg, n)
+        n += 1
+    return n, t_first
+
+
 async def drain(
     rx: Receiver, workload: Workload, batch: int | None, warmup: int
 ) -> tuple[int, float]:
     """Receive and check every message until STOP: how many, and when message ``warmup``
     (the first one counted) arrived."""
+    if rx.blocking:
+        return await anyio.to_thread.run_sync(partial(_drain_sync, rx, workload, warmup))
     check = workload.check
     n = 0
     t_first = 0.0

@@ -38,6 +38,11 @@ CONNECT_TIMEOUT = 10.0  # seconds a receiver waits for the sender's ring to exis
 class Sender:
     """The sending end of a channel."""
 
+    blocking = False  #: sends with ``send_sync`` from a thread without an event loop
+
+    def send_sync(self, obj: Any) -> None:
+        raise NotImplementedError
+
     async def wait_ready(self) -> None:
         """Return once every receiver is attached, so that no message is sent into the void."""
 
@@ -60,6 +65,10 @@ class Receiver:
     """The receiving end of a channel."""
 
     read = "get"  #: how messages are read: "get", or "lease" (zero-copy) where available
+    blocking = False  #: receives with ``recv_sync`` from a thread without an event loop
+
+    def recv_sync(self) -> Any:
+        raise NotImplementedError
 
     async def recv(self) -> Any:
         raise NotImplementedError
@@ -190,6 +199,32 @@ class AioshmqChannel(Channel):
 
     def receiver(self, index: int) -> Receiver:
         return _AioshmqReceiver(_attach(self.name, index, self.spin), self.arrays)
+
+
+class _AioshmqSyncSender(_AioshmqSender):
+    blocking = True
+
+    def send_sync(self, obj: Any) -> None:
+        self._writer.put_sync(obj, timeout=SYNC_TIMEOUT)
+
+
+class _AioshmqSyncReceiver(_AioshmqReceiver):
+    blocking = True
+
+    def recv_sync(self) -> Any:
+        return self._reader.get_sync(timeout=SYNC_TIMEOUT)
+
+
+class AioshmqSyncChannel(AioshmqChannel):
+    """The same ring used from plain threads: ``put_sync`` and ``get_sync``, no event loop."""
+
+    def sender(self) -> Sender:
+        return _AioshmqSyncSender(
+            aioshmq.create(self.capacity, self.depth, self.readers, name=self.name)
+        )
+
+    def receiver(self, index: int) -> Receiver:
+        return _AioshmqSyncReceiver(_attach(self.name, index, self.spin), self.arrays)
 
 
 def _attach(name: str, index: int, spin: float | None = None) -> aioshmq.Reader[Any]:
@@ -737,6 +772,9 @@ def _import_error(module: str) -> str | None:
 
 
 AIOSHMQ = Peer("aioshmq", AioshmqChannel, "async put/get", "put_many/get_many(64)")
+AIOSHMQ_SYNC = Peer(
+    "aioshmq sync", AioshmqSyncChannel, "put_sync/get_sync (no event loop)", "-"
+)
 MP_QUEUE = Peer("mp.Queue", MpQueueChannel, "sync put/get (no async API)", "a list of 64 per put")
 ZMQ = Peer(
     "zmq.asyncio",

@@ -48,6 +48,7 @@ def machine_info() -> dict[str, Any]:
         "platform": platform.platform(),
         "machine": platform.machine(),
         "aioshmq": aioshmq.__version__,
+        "core": aioshmq.CORE,
         "versions": {
             dist: _version(dist)
             for dist in (

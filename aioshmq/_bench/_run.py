@@ -31,7 +31,8 @@ def run(
     bench = Bench(budget)
     bench.say(
         f"aioshmq bench, {budget.mode} run: {machine['cpu_count']} CPUs, "
-        f"load {machine['loadavg_at_start'][0]:.2f}, Python {machine['python']}, pid {os.getpid()}"
+        f"load {machine['loadavg_at_start'][0]:.2f}, Python {machine['python']}, "
+        f"{machine['core']} core, pid {os.getpid()}"
     )
     titles = {scenario.name: scenario.title for scenario in SCENARIOS}
     started = time.monotonic()
@@ -42,7 +43,10 @@ def run(
         scenario.run(bench)
     seconds = time.monotonic() - started
     print(table(bench.results, titles))
-    print(f"\n{budget.mode} run, {seconds:.0f} s on {machine['cpu_count']} CPUs")
+    print(
+        f"\n{budget.mode} run, {seconds:.0f} s on {machine['cpu_count']} CPUs, "
+        f"aioshmq's {machine['core']} core"
+    )
     sys.stdout.flush()
     if json_path is not None:
         write_json(

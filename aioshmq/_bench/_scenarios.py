@@ -41,6 +41,7 @@ from ._peers import (
     AIOSHMQ_MIRROR,
     AIOSHMQ_PLAIN,
     AIOSHMQ_REMOTE,
+    AIOSHMQ_SYNC,
     EVENTFD,
     FASTER_FIFO,
     MP_QUEUE,
@@ -352,31 +353,37 @@ def _memcpy(nbytes: int, seconds: float, params: dict[str, Any]) -> dict[str, fl
 
 
 def small(bench: Bench) -> None:
-    """100-byte objects, 1 writer -> 1 reader: one per put, and in batches of 64."""
-    workload = Workload("small")
-    for case, batch in (("one per put", None), ("batches of 64", 64)):
-        for peer in (AIOSHMQ, MP_QUEUE, ZMQ, ZMQ_SYNC, FASTER_FIFO, VLLM):
-            params: dict[str, Any] = {
-                "readers": 1,
-                "object_bytes": 100,
-                "batch": batch or 1,
-                "how": peer.batch if batch else peer.how,
-                "capacity": SMALL_CAPACITY,
-                "depth": SMALL_DEPTH,
-                "backend": "asyncio",
-            }
-            if peer is VLLM:
-                params["depth"] = VLLM_MAX_CHUNKS
-            fn = partial(_throughput, bench, peer, workload, batch=batch)
-            bench.measure(
-                "small",
-                case,
-                peer.name,
-                {"throughput": "msg/s"},
-                params,
-                fn,
-                absent=peer.missing(),
-            )
+    """100-byte objects (the bench's dict, and a plain tuple), 1 writer -> 1 reader: one per
+    put, and in batches of 64."""
+    for kind, what in (("small", ""), ("tuple", ", a tuple")):
+        workload = Workload(kind)  # type: ignore[arg-type]
+        for case, batch in ((f"one per put{what}", None), (f"batches of 64{what}", 64)):
+            peers = [AIOSHMQ, MP_QUEUE, ZMQ, ZMQ_SYNC, FASTER_FIFO, VLLM]
+            if not batch:
+                peers.insert(1, AIOSHMQ_SYNC)
+            for peer in peers:
+                params: dict[str, Any] = {
+                    "readers": 1,
+                    "object_bytes": 100,
+                    "object": "tuple" if kind == "tuple" else "dict",
+                    "batch": batch or 1,
+                    "how": peer.batch if batch else peer.how,
+                    "capacity": SMALL_CAPACITY,
+                    "depth": SMALL_DEPTH,
+                    "backend": "asyncio",
+                }
+                if peer is VLLM:
+                    params["depth"] = VLLM_MAX_CHUNKS
+                fn = partial(_throughput, bench, peer, workload, batch=batch)
+                bench.measure(
+                    "small",
+                    case,
+                    peer.name,
+                    {"throughput": "msg/s"},
+                    params,
+                    fn,
+                    absent=peer.missing(),
+                )
 
 
 def _numpy_missing() -> str | None:

@@ -14,6 +14,15 @@ def small_object(seq: int) -> dict[str, Any]:
     return {"seq": seq, "topic": "ticks/eu", "price": 101.25, "size": 300, "pad": _PAD}
 
 
+# Brings the tuple's protocol-5 pickle to 100 bytes.
+_TUPLE_PAD = b"aioshmq-bench-tuple-padding-0123456789abcdefghijklmnop"
+
+
+def small_tuple(seq: int) -> tuple[Any, ...]:
+    """The plainest small message: a tuple whose pickle is 100 bytes."""
+    return (seq, "ticks/eu", 101.25, 300, _TUPLE_PAD)
+
+
 def pattern_array(nbytes: int) -> Any:
     """A uint8 array whose byte k is k % 251, made once per size and reused for every send."""
     array = _arrays.get(nbytes)
@@ -32,13 +41,19 @@ class Workload:
     and the size and last byte of an array (so every array is really touched).
     """
 
-    kind: Literal["small", "array"]
+    kind: Literal["small", "tuple", "array"]
     nbytes: int = 100
 
     def make(self, seq: int) -> Any:
+        if self.kind == "tuple":
+            return small_tuple(seq)
         return small_object(seq) if self.kind == "small" else pattern_array(self.nbytes)
 
     def check(self, msg: Any, seq: int) -> None:
+        if self.kind == "tuple":
+            if msg[0] != seq:
+                raise AssertionError(f"message {seq} arrived as {msg[0]}: order broken")
+            return
         if self.kind == "small":
             if msg["seq"] != seq:
                 raise AssertionError(f"message {seq} arrived as {msg['seq']}: order broken")
