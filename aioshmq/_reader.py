@@ -17,7 +17,7 @@ from anyio.lowlevel import checkpoint
 from . import _layout as L
 from ._broker import BYE, Attachment, check_name, confirm, pidfd_of, request
 from ._cancel import pending_checkpoint
-from ._end import End, deadline_of
+from ._end import End, deadline_of, in_event_loop
 from ._errors import CorruptedError, Empty, PeerDied, busy
 from ._handle import Handle
 from ._layout import Layout
@@ -317,13 +317,11 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         ring = self._ring
         spin = self._spinner.budget()
         if spin:
-            # No loop to yield to: look at the ring for a moment before sleeping (the GIL
-            # is given up every few microseconds meanwhile, as for any busy thread).
-            end = time.monotonic() + spin
-            while time.monotonic() < end:
-                if ring.available() or ring.w[ring.w_closed]:
-                    self._spinner.hit()
-                    return
+            # No loop to yield to: watch the ring for a moment before sleeping (without the
+            # GIL, with the compiled core: other threads run meanwhile).
+            if ring.spin(spin):
+                self._spinner.hit()
+                return
             self._spinner.miss()
         token = self._hold(False)
         try:
@@ -412,9 +410,52 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
             isinstance(max_messages, bool) or not isinstance(max_messages, int) or max_messages < 1
         ):
             raise ValueError(f"max_messages must be a positive int or None, not {max_messages!r}")
+        if self._closed:
+            self._check()
+        if not self._lock.locked() and not self._pending and self._deferred is None:
+            if time.monotonic() >= self._next_yield:
+                await self._pace()
+                self._check()
+            elif (cancelled := pending_checkpoint()) is not None:
+                await cancelled()
+            out = self._take_records(max_messages)
+            if out:
+                if self._deferred is None and (max_messages is None or len(out) < max_messages):
+                    self._drain_into(out, max_messages)  # records of other kinds, if any
+                return out
         first = await self.get()
         out = [first]
         self._drain_into(out, max_messages)
+        return out
+
+    def _take_records(self, limit: int | None) -> list[T]:
+        """Whole records of plain messages waiting now, up to ``limit`` messages (the rest
+        of a batch is kept for the next call); an error after some were taken is kept for
+        the next call too."""
+        ring, loads = self._ring, self._loads_plain
+        out: list[T] = []
+        try:
+            while limit is None or len(out) < limit:
+                got = ring.get_record(loads, _EMPTY)
+                if got is _EMPTY:
+                    break
+                obj, n = got
+                if n == 1:
+                    out.append(obj)
+                    continue
+                if type(obj) is not list or len(obj) != n:
+                    raise CorruptedError(f"a batch of {n} messages did not load as such a list")
+                room = n if limit is None else limit - len(out)
+                if room >= n:
+                    out += obj
+                else:
+                    out += obj[:room]
+                    self._pending.extend(obj[room:])
+                    self._messages -= n - room  # counted by the core, handed out later
+        except BaseException as exc:
+            if not out:
+                raise
+            self._deferred = exc
         return out
 
     def _drain_into(self, out: list[T], limit: int | None) -> None:
@@ -446,8 +487,10 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         Refused in a thread that runs an event loop (use ``await get()`` there).  Another
         thread may close the reader meanwhile: this then raises ClosedResourceError.
         """
-        self._check()
-        self._refuse_in_loop("get_sync", "reader.get()")
+        if self._closed:
+            self._check()
+        if in_event_loop():
+            self._refuse_in_loop("get_sync", "reader.get()")
         if self._lock.locked():
             raise busy("an async get is under way on this reader")
         if not self._pending and self._deferred is None:

@@ -8,6 +8,7 @@ writers, slots, relays) lives in ``_ring``'s subclasses and runs on either.
 from __future__ import annotations
 
 import mmap
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -99,11 +100,14 @@ class WriterCore:
         self.publish()
         return True
 
-    def put_object(self, obj: Any, dumps: Callable[..., Any]) -> Any:
+    def put_object(self, obj: Any, dumps: Callable[..., Any], count: int = 1) -> Any:
         """Pickle ``obj`` with ``dumps`` and put it as one plain record if it is one and
         fits now: None.  Otherwise nothing is written, and what is left is returned: ``()``
         for a numpy array (the serializer has a faster way for those), else ``(main,
-        [PickleBuffer, ...])``."""
+        [PickleBuffer, ...])``.  With ``count`` > 1, ``obj`` is a list of that many messages
+        written as one batch record."""
+        if count < 1:
+            raise ValueError("count must be at least 1")
         self.dumps_failed = False
         if _type_name(obj) == _NDARRAY:
             return ()
@@ -119,7 +123,7 @@ class WriterCore:
             found.clear()
         if buffers or type(main) is not bytes:
             return main, buffers
-        if self.put_plain(main):
+        if self.put_plain(main, L.MSG | L.BATCH if count > 1 else L.MSG, count):
             return None
         return main, []
 
@@ -302,6 +306,50 @@ class ReaderCore:
             return loads(view)
         finally:
             self.consume_plain(view)
+
+    def get_record(self, loads: Callable[[memoryview], Any], empty: Any) -> Any:
+        """The next record if it holds whole messages without buffers (one, or a batch),
+        loaded with ``loads`` and consumed (even if ``loads`` raises), as (object, messages);
+        ``empty`` for anything else, which ``next()`` then handles or reports."""
+        tail = self.tail
+        if tail == self.head and not self.refresh():
+            return empty
+        cap = self._cap
+        off = tail % cap
+        word = self._cq[off >> 3]
+        kind, length = word & 0xFF, word >> 8
+        if kind not in (L.MSG, L.MSG | L.BATCH) or self.partial is not None or self.skipping:
+            return empty
+        end = off + L.HEADER_SIZE + length
+        if end > cap or tail + end - off > self.head:
+            return empty
+        messages = 1
+        if kind & L.BATCH:
+            messages = self._cq[(off >> 3) + 1]
+            if not 2 <= messages <= self._max_messages:
+                return empty
+        try:
+            obj = loads(self._cdata[off + L.HEADER_SIZE : end])
+        finally:
+            self.tail += record_size(length)
+            self.count += messages
+            self.taken += messages
+            self.taken_bytes += length
+            self.publish()
+        return obj, messages
+
+    def spin(self, seconds: float) -> bool:
+        """Watch the ring up to ``seconds``: True as soon as something is published past the
+        tail or the writer closed."""
+        if self.tail != self.head:
+            return True
+        w, tail = self._cwords, self.tail
+        deadline = time.monotonic() + seconds
+        while w[self._w_head] == tail and not w[self._w_closed]:
+            if time.monotonic() >= deadline:
+                return False
+        self.available()
+        return True
 
     def publish(self) -> None:
         """Store the tail; wake the writer if this step crossed the point it sleeps for.

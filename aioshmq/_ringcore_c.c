@@ -18,6 +18,7 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #if ATOMIC_LLONG_LOCK_FREE != 2
@@ -372,8 +373,14 @@ static PyObject *W_put_plain(WriterCore *self, PyObject *const *args, Py_ssize_t
  * nothing is written and it returns what the caller needs to go on: () for a numpy array
  * (the serializer has a faster way for those), else (main, [PickleBuffer, ...]). */
 static PyObject *W_put_object(WriterCore *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "put_object(obj, dumps)");
+    if (nargs < 2 || nargs > 3) {
+        PyErr_SetString(PyExc_TypeError, "put_object(obj, dumps, count=1)");
+        return NULL;
+    }
+    uint64_t messages = 1;
+    if (nargs > 2 && u64_arg(args[2], &messages) < 0) return NULL;
+    if (messages < 1) {
+        PyErr_SetString(PyExc_ValueError, "count must be at least 1");
         return NULL;
     }
     self->dumps_failed = 0;
@@ -411,7 +418,8 @@ static PyObject *W_put_object(WriterCore *self, PyObject *const *args, Py_ssize_
         goto done;
     }
     int r = W_put_plain_(self, (const uint8_t *)PyBytes_AS_STRING(main),
-                         (uint64_t)PyBytes_GET_SIZE(main), MSG, 1);
+                         (uint64_t)PyBytes_GET_SIZE(main), messages > 1 ? MSG | BATCH : MSG,
+                         messages);
     if (r < 0) goto done;
     if (r) {
         result = Py_NewRef(Py_None);
@@ -730,6 +738,93 @@ static PyObject *R_get_plain(ReaderCore *self, PyObject *const *args, Py_ssize_t
     return obj;
 }
 
+/* get_record(loads, empty): the next record if it holds whole messages without buffers (one,
+ * or a batch), loaded with ``loads`` and consumed (even if ``loads`` raises), as (object,
+ * messages); ``empty`` for anything else, which next() then handles or reports. */
+static PyObject *R_get_record(ReaderCore *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "get_record(loads, empty)");
+        return NULL;
+    }
+    Mem *m = &self->m;
+    if (mem_released(m)) return NULL;
+    uint64_t tail = self->tail;
+    if (tail == self->head) {
+        int r = R_refresh_(self);
+        if (r < 0) return NULL;
+        if (r == 0) return Py_NewRef(args[1]);
+    }
+    uint64_t cap = m->cap, off = tail % cap;
+    uint64_t word = ld(dword(m, off));
+    uint64_t kind = word & 0xFF, len = word >> 8, messages = 1;
+    if ((kind != MSG && kind != (MSG | BATCH)) || self->partial != Py_None || self->skipping)
+        return Py_NewRef(args[1]);
+    if (len > cap || off + HEADER_SIZE + len > cap || HEADER_SIZE + len > self->head - tail)
+        return Py_NewRef(args[1]);
+    if (kind & BATCH) {
+        messages = ld(dword(m, off + 8));
+        if (messages < 2 || messages > m->max_messages) return Py_NewRef(args[1]);
+    }
+    PyObject *view = mem_view(m, (PyObject *)self, m->data + off + HEADER_SIZE, len);
+    if (view == NULL) return NULL;
+    PyObject *obj = PyObject_Vectorcall(args[0], &view, 1, NULL);
+    Py_DECREF(view);
+    if (m->base == NULL) {
+        Py_XDECREF(obj);
+        mem_released(m);
+        return NULL;
+    }
+    self->tail += record_size(len);
+    self->count += messages;
+    self->taken += messages;
+    self->taken_bytes += len;
+    if (R_publish_(self) < 0 || obj == NULL) {
+        Py_XDECREF(obj);
+        return NULL;
+    }
+    return Py_BuildValue("(NK)", obj, (unsigned long long)messages);
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield" ::: "memory");
+#endif
+}
+
+/* spin(seconds): look at the head (and the closed flag) for up to ``seconds`` without the
+ * GIL; True as soon as something is published past the tail or the writer closed. */
+static PyObject *R_spin(ReaderCore *self, PyObject *arg) {
+    Mem *m = &self->m;
+    if (mem_released(m)) return NULL;
+    double seconds = PyFloat_AsDouble(arg);
+    if (seconds == -1.0 && PyErr_Occurred()) return NULL;
+    if (self->tail != self->head) Py_RETURN_TRUE;
+    const uint64_t *head = wword(m, W_HEAD), *closed = wword(m, W_CLOSED);
+    uint64_t tail = self->tail;
+    int seen = 0;
+    struct timespec t0, t;
+    Py_BEGIN_ALLOW_THREADS
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (unsigned i = 1;; i++) {
+        if (ld(head) != tail || ld(closed)) {
+            seen = 1;
+            break;
+        }
+        cpu_relax();
+        if (i % 64 == 0) {
+            clock_gettime(CLOCK_MONOTONIC, &t);
+            if ((double)(t.tv_sec - t0.tv_sec) + (t.tv_nsec - t0.tv_nsec) * 1e-9 >= seconds) break;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (!seen) Py_RETURN_FALSE;
+    int r = R_available_(self);
+    if (r < 0) return NULL;
+    Py_RETURN_TRUE;
+}
+
 /* next(): the next whole message as (payload, kind, ring bytes), not consumed; None if none.
  * Fragments go to the Python method _fragment(off, base, kind, length) of the subclass. */
 static PyObject *R_next(ReaderCore *self, PyObject *unused) {
@@ -860,6 +955,10 @@ static PyMethodDef R_methods[] = {
      "Step past the record take_plain returned and publish the new tail."},
     {"get_plain", (PyCFunction)(void (*)(void))R_get_plain, METH_FASTCALL,
      "The next plain message, loaded and consumed; ``empty`` if the next is not plain."},
+    {"get_record", (PyCFunction)(void (*)(void))R_get_record, METH_FASTCALL,
+     "The next record of whole plain messages (one or a batch), loaded and consumed."},
+    {"spin", (PyCFunction)R_spin, METH_O,
+     "Watch the ring up to ``seconds`` without the GIL: True once there is news."},
     {"next", (PyCFunction)R_next, METH_NOARGS,
      "The next whole message as (payload, kind, ring bytes), not consumed; None if none."},
     {"prepare_sleep", (PyCFunction)R_prepare_sleep, METH_NOARGS,

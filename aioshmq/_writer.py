@@ -383,7 +383,24 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         into its messages: several times cheaper per message on both sides.
         """
         self._check()
-        frames = self._batch(list(objs))
+        objs = list(objs)
+        pickler = self._pickler
+        if pickler is not None and 2 <= len(objs) <= self._layout.max_messages:
+            if time.monotonic() >= self._next_yield:
+                await self._pace()
+                self._check()
+            elif (cancelled := pending_checkpoint()) is not None:
+                await cancelled()
+            if not self._lock.locked():
+                try:
+                    rest = self._ring.put_object(objs, pickler, len(objs))
+                except Exception:
+                    if not self._ring.dumps_failed:
+                        raise
+                    rest = ()  # one of them does not serialize: _batch says which
+                if rest is None:
+                    return
+        frames = self._batch(objs)
         if time.monotonic() >= self._next_yield:
             await self._pace()
             self._check()
@@ -437,8 +454,10 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         Refused in a thread that runs an event loop (use ``await put()`` there).  Another
         thread may close the writer meanwhile: this then raises ClosedResourceError.
         """
-        self._check()
-        self._refuse_in_loop("put_sync", "writer.put(obj)")
+        if self._halt:
+            self._check()
+        if in_event_loop():
+            self._refuse_in_loop("put_sync", "writer.put(obj)")
         if self._lock.locked():
             raise busy("an async put or wait_readers is under way on this writer")
         if self._pickler is not None:

@@ -334,9 +334,13 @@ def test_put_object_hands_back_what_it_did_not_write() -> None:
         with pytest.raises((pickle.PicklingError, AttributeError)):
             w.put_object(lambda: 0, pickle.dumps)
         assert w.put_object(("after", 2), pickle.dumps) is None  # nothing lost or stuck
+        assert w.put_object([1, 2, 3], pickle.dumps, 3) is None  # a batch of three
+        with pytest.raises(ValueError):
+            w.put_object([], pickle.dumps, 0)
         r = _reader(core, mem, layout)
-        assert [r.get_plain(pickle.loads, None) for _ in range(3)] == [
-            ("small", 1),
-            ("after", 2),
-            None,
-        ]
+        got = [r.get_plain(pickle.loads, None) for _ in range(3)]
+        assert got == [("small", 1), ("after", 2), None]  # a batch is not a plain message
+        assert r.get_record(pickle.loads, None) == ([1, 2, 3], 3)
+        assert (r.count, r.taken) == (5, 5)
+        assert r.get_record(pickle.loads, None) is None
+        assert r.spin(0.001) is False

@@ -51,5 +51,22 @@ async def main() -> None:
         print(f"fence {_ns(aioshmq._atomics.fence):.0f} ns")
 
 
+def blocking() -> None:
+    """put_sync and get_sync, outside any event loop."""
+    objs = [small_object(i) for i in range(N)]
+    with aioshmq.create(256 << 20, 1 << 24, 1) as w, aioshmq.connect(w.name) as r:
+        for _ in range(2):
+            start = time.perf_counter()
+            for obj in objs:
+                w.put_sync(obj)
+            put = (time.perf_counter() - start) / N
+            start = time.perf_counter()
+            for _obj in objs:
+                r.get_sync()
+            get = (time.perf_counter() - start) / N
+            print(f"put_sync {put * 1e6:.2f} us   get_sync {get * 1e6:.2f} us")
+
+
 if __name__ == "__main__":
     anyio.run(main)
+    blocking()
