@@ -389,9 +389,14 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
                 await self._wait()
             return obj  # type: ignore[no-any-return]
 
-    async def receive(self) -> T:
-        """Same as ``get`` (the anyio stream interface)."""
-        return await self.get()
+    receive = get  # the anyio stream interface: the same function, so no extra frame
+
+    async def __anext__(self) -> T:
+        """``async for msg in reader``: every message until the writer closes."""
+        try:
+            return await self.get()
+        except anyio.EndOfStream:
+            raise StopAsyncIteration from None
 
     def get_nowait(self) -> T:
         """The next message if one is complete now, else raise Empty."""

@@ -9,6 +9,7 @@ share a ring.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import warnings
 from types import ModuleType
@@ -22,15 +23,17 @@ def _choose() -> tuple[ModuleType | None, str]:
     try:
         from . import _ringcore_c
     except ImportError as exc:
+        built = importlib.util.find_spec(f"{__package__}._ringcore_c") is not None
+        why = f"failed to load ({exc})" if built else "is not built"
         warnings.warn(
-            f"aioshmq's compiled core is not built ({exc}): the pure-Python core runs, "
+            f"aioshmq's compiled core {why}: the pure-Python core runs, "
             "about half as fast on small messages. Reinstall with a C compiler and the "
             f"Python headers to build it, or set {PURE_ENV}=1 to choose the pure core "
             "and silence this warning",
             RuntimeWarning,
             stacklevel=2,
         )
-        return None, "pure (the compiled core is not built)"
+        return None, f"pure (the compiled core {why})"
     return _ringcore_c, "compiled"
 
 
