@@ -96,6 +96,8 @@ def _check_measured_only(output: str, results: list[dict[str, Any]]) -> None:
 VLLM_ROWS = {  # where vLLM's MessageQueue is measured, when vllm imports
     ("small", "one per put", "throughput"),
     ("small", "batches of 64", "throughput"),
+    ("small", "one per put, a tuple", "throughput"),
+    ("small", "batches of 64, a tuple", "throughput"),
     ("large", "512 KiB", "throughput"),
     ("large", "1 MiB", "throughput"),
     ("large", "64 MiB", "throughput"),
