@@ -301,6 +301,8 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
             # Drained before announcing the sleep, not after waking: a signal meant for an
             # earlier sleep cannot then wake this one for nothing.
             self._drain()
+            if self._closed:  # its close wake-up was just drained: never sleep now
+                self._check()
             if ring.prepare_sleep():
                 try:
                     await self._sleep()
@@ -315,17 +317,19 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
 
     def _wait_sync(self, deadline: float | None) -> None:
         ring = self._ring
-        spin = self._spinner.budget()
-        if spin:
-            # No loop to yield to: watch the ring for a moment before sleeping (without the
-            # GIL, with the compiled core: other threads run meanwhile).
-            if ring.spin(spin):
-                self._spinner.hit()
-                return
-            self._spinner.miss()
-        token = self._hold(False)
+        token = self._hold(False)  # first: a close from another thread keeps the mapping
         try:
+            spin = self._spinner.budget()
+            if spin:
+                # No loop to yield to: watch the ring for a moment before sleeping (without
+                # the GIL, with the compiled core: other threads run meanwhile).
+                if ring.spin(spin):
+                    self._spinner.hit()
+                    return
+                self._spinner.miss()
             self._wake.drain()
+            if self._closed:  # its close wake-up was just drained: never sleep now
+                self._check()
             if ring.prepare_sleep():
                 try:
                     self._sleep_sync(deadline)

@@ -281,6 +281,8 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         token = self._hold(True)
         try:
             self._drain()  # before announcing the sleep: no wake-up left over from before
+            if self._closed:  # its close wake-up was just drained: never sleep now
+                self._check()
             if self._ring.prepare_sleep(need, messages):
                 try:
                     await self._sleep()
@@ -297,6 +299,8 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         token = self._hold(False)
         try:
             self._wake.drain()
+            if self._closed:  # its close wake-up was just drained: never sleep now
+                self._check()
             if self._ring.prepare_sleep(need, messages):
                 try:
                     self._sleep_sync(deadline)

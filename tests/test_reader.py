@@ -323,3 +323,31 @@ def test_fd_numbers_above_1023() -> None:
         for fd in fillers:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_closing_a_reader_while_get_sync_spins_in_another_thread() -> None:
+    """The compiled core spins without the GIL: a close from another thread meanwhile must
+    not unmap the ring under it; the blocked call gets ClosedResourceError."""
+    import threading
+    import time
+
+    with aioshmq.create() as w:
+        r = aioshmq.connect(w.name, spin=1.0)  # the longest spin allowed
+        errors: list[BaseException] = []
+
+        def blocked() -> None:
+            try:
+                r.get_sync(timeout=10)
+            except BaseException as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=blocked)
+        thread.start()
+        deadline = time.monotonic() + 10
+        while not r._holds:  # until the call holds the end (it spins from then on)
+            assert time.monotonic() < deadline, "get_sync never started waiting"
+            time.sleep(0.001)
+        r.close()
+        thread.join(10)
+        assert not thread.is_alive()
+        assert len(errors) == 1 and isinstance(errors[0], anyio.ClosedResourceError), errors
