@@ -20,7 +20,7 @@ from ._atomics import acquire, fence, release
 from ._errors import CorruptedError, busy
 from ._layout import Layout, record_size
 from ._notify import Notifier
-from ._ringcore import ReaderCore, WriterCore
+from ._ringcore import ReaderCore, WriterCore, check_record
 from ._segment import Segment
 from ._serialize import Buffer
 
@@ -512,14 +512,7 @@ class RingReader(ReaderCore):
             off = self.tail % cap
             if off == 0 and self.tail != start:
                 break  # the ring's end: the next record is not contiguous with this run
-            word = q[off >> 3]
-            kind, length = word & 0xFF, word >> 8
-            end = off + L.HEADER_SIZE + length
-            if end > cap or self.tail + end - off > self.head:
-                raise CorruptedError(
-                    f"record at position {self.tail} (kind {kind}) claims {length} bytes, "
-                    f"past the {'end of the ring' if end > cap else 'head ' + str(self.head)}"
-                )
+            kind, length, _end = check_record(self.tail, self.head, cap, q[off >> 3])
             base = kind & L.KIND_MASK
             if base == L.PAD:
                 break

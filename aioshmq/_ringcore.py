@@ -26,7 +26,36 @@ def _type_name(obj: object) -> str:
     return f"{t.__module__}.{t.__qualname__}"
 
 
-class WriterCore:
+def check_record(tail: int, head: int, cap: int, word: int) -> tuple[int, int, int]:
+    """The kind, length and end offset of the record whose header ``word`` lies at position
+    ``tail``; CorruptedError if it claims bytes past the end of the ring or past ``head``."""
+    off = tail % cap
+    kind, length = word & 0xFF, word >> 8
+    end = off + L.HEADER_SIZE + length
+    if end > cap or tail + end - off > head:
+        raise CorruptedError(
+            f"record at position {tail} (kind {kind}) claims {length} bytes, "
+            f"past the {'end of the ring' if end > cap else 'head ' + str(head)}"
+        )
+    return kind, length, end
+
+
+class _Mapped:
+    """The views of a ring's memory a pure core reads and writes through."""
+
+    def _map(self, mapping: mmap.mmap | bytearray, data_offset: int, capacity: int) -> None:
+        buf = self._cbuf = memoryview(mapping)
+        self._cdata = buf[data_offset : data_offset + capacity]
+        self._cwords = buf[: len(buf) - len(buf) % 8].cast("Q")
+        self._cq = self._cdata.cast("Q")
+
+    def release(self) -> None:
+        """Stop touching the ring's memory (the segment is being unmapped)."""
+        for view in (self._cq, self._cwords, self._cdata, self._cbuf):
+            view.release()
+
+
+class WriterCore(_Mapped):
     """The writer's per-message work: write a plain record, publish, wake sleeping readers."""
 
     def __init__(
@@ -38,10 +67,7 @@ class WriterCore:
         readers: int,
         wake: Sequence[Notifier],
     ) -> None:
-        buf = self._cbuf = memoryview(mapping)
-        self._cdata = buf[data_offset : data_offset + capacity]
-        self._cwords = buf[: len(buf) - len(buf) % 8].cast("Q")
-        self._cq = self._cdata.cast("Q")
+        self._map(mapping, data_offset, capacity)
         self._w_head = L.writer_word_index(L.W_HEAD)
         self._w_count = L.writer_word_index(L.W_HEAD_COUNT)
         self._r_sleep = [L.reader_word_index(i, L.R_SLEEP) for i in range(readers)]
@@ -148,13 +174,9 @@ class WriterCore:
                 self._wake[i].signal()
                 self.wakeups += 1
 
-    def release(self) -> None:
-        """Stop touching the ring's memory (the segment is being unmapped)."""
-        for view in (self._cq, self._cwords, self._cdata, self._cbuf):
-            view.release()
 
 
-class ReaderCore:
+class ReaderCore(_Mapped):
     """A reader's per-message work: read records, publish its tail, wake the writer."""
 
     def __init__(
@@ -169,10 +191,7 @@ class ReaderCore:
     ) -> None:
         if not 0 <= index < readers:
             raise ValueError(f"reader {index} of a ring with {readers} slots")
-        buf = self._cbuf = memoryview(mapping)
-        self._cdata = buf[data_offset : data_offset + capacity]
-        self._cwords = buf[: len(buf) - len(buf) % 8].cast("Q")
-        self._cq = self._cdata.cast("Q")
+        self._map(mapping, data_offset, capacity)
         self._cap = capacity
         self._max_messages = max_messages
         self._w_head = L.writer_word_index(L.W_HEAD)
@@ -234,14 +253,7 @@ class ReaderCore:
         cap, q = self._cap, self._cq
         while self.tail != self.head or self.available():
             off = self.tail % cap
-            word = q[off >> 3]
-            kind, length = word & 0xFF, word >> 8
-            end = off + L.HEADER_SIZE + length
-            if end > cap or self.tail + end - off > self.head:
-                raise CorruptedError(
-                    f"record at position {self.tail} (kind {kind}) claims {length} bytes, "
-                    f"past the {'end of the ring' if end > cap else 'head ' + str(self.head)}"
-                )
+            kind, length, end = check_record(self.tail, self.head, cap, q[off >> 3])
             base = kind & L.KIND_MASK
             if base == L.MSG:
                 if self.partial is not None or self.skipping:
@@ -389,7 +401,3 @@ class ReaderCore:
     def end_sleep(self) -> None:
         self._cwords[self._r_sleep] = 0
 
-    def release(self) -> None:
-        """Stop touching the ring's memory (the segment is being unmapped)."""
-        for view in (self._cq, self._cwords, self._cdata, self._cbuf):
-            view.release()

@@ -52,7 +52,7 @@
 typedef _Atomic uint64_t au64;
 
 static PyObject *CorruptedError; /* aioshmq._errors.CorruptedError */
-static PyObject *str_refresh_limits, *str_fragment, *str_write_fd;
+static PyObject *str_refresh_limits, *str_write_fd;
 static PyObject *dumps_kwnames; /* ("protocol", "buffer_callback") */
 static PyObject *five;
 
@@ -1043,11 +1043,10 @@ static int module_exec(PyObject *mod) {
     Py_DECREF(errors);
     if (CorruptedError == NULL) return -1;
     str_refresh_limits = PyUnicode_InternFromString("refresh_limits");
-    str_fragment = PyUnicode_InternFromString("_fragment");
     str_write_fd = PyUnicode_InternFromString("write_fd");
     dumps_kwnames = Py_BuildValue("(ss)", "protocol", "buffer_callback");
     five = PyLong_FromLong(5);
-    if (!str_refresh_limits || !str_fragment || !str_write_fd || !dumps_kwnames || !five)
+    if (!str_refresh_limits || !str_write_fd || !dumps_kwnames || !five)
         return -1;
     PyObject *w = PyType_FromModuleAndSpec(mod, &W_spec, NULL);
     if (w == NULL || PyModule_AddObjectRef(mod, "WriterCore", w) < 0) {
