@@ -166,7 +166,7 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
             raise
         try:
             self._layout, _ = Layout.read_header(self._seg.buf)
-            self._seg.data = self._seg.buf[self._layout.data_offset : self._layout.size]
+            self._seg.protect_data(self._layout.data_offset)
             # One fd to wait on: readable on a wake-up, when the writer's connection ends,
             # or when the writer's process exits (pidfd, where the kernel has them).
             self._epoll = select.epoll(3)
@@ -237,14 +237,16 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
             return _EMPTY
         payload, kind, size = msg
         try:
-            main, buffers = decode(payload, kind)
             if lease is not None and not kind & L.BATCH:
+                # Read-only views: what one reader leases, the others may still be reading.
+                main, buffers = decode(payload.toreadonly(), kind)
                 obj = self._ser.loads_view(main, buffers)
                 if size:
                     lease.mark = ring.pin()
                 else:  # reassembled: its buffer may serve the next one once the lease ends
                     lease.spare = payload.obj  # type: ignore[assignment]
             else:
+                main, buffers = decode(payload, kind)
                 if buffers and size:  # out-of-band buffers still in the ring: copy them out
                     buffers = [bytearray(b) for b in buffers]  # type: ignore[misc]
                 obj = self._ser.loads(main, buffers)

@@ -50,11 +50,12 @@ class Frame:
     16-byte-aligned offset.
     """
 
-    __slots__ = ("aux", "count", "kind", "length", "parts")
+    __slots__ = ("aux", "count", "hole", "kind", "length", "parts")
 
     def __init__(self, main: Buffer, buffers: Sequence[memoryview], count: int = 1) -> None:
         # A batch (count > 1) is one serialized list of ``count`` messages.
         self.count = count
+        self.hole = 0  # where a reserved message's unwritten bytes start (see ``reserved``)
         self.aux = count if count > 1 else 0
         batch = L.BATCH if count > 1 else 0
         if not buffers:
@@ -86,6 +87,24 @@ class Frame:
         self.kind = L.MSG | L.OOB | batch
         self.length = offset
         self.parts = parts
+
+    @classmethod
+    def reserved(cls, main: Buffer | None, nbytes: int) -> Frame:
+        """A message whose last ``nbytes`` are left unwritten, to be filled in place: with
+        ``main``, its one out-of-band buffer; without, its whole payload.  ``hole`` is
+        where they start in the payload (16-byte aligned, like every buffer)."""
+        if main is None:
+            frame = cls(b"", [])
+            frame.parts = []
+            frame.length = nbytes
+            return frame
+        main_len = main.nbytes if isinstance(main, memoryview) else len(main)
+        frame = cls(main, [memoryview(b"")])
+        frame.parts.pop()  # the buffer's bytes are the caller's to write
+        frame.parts[0] = (0, _TABLE_ONE.pack(1, main_len, nbytes))
+        frame.hole = frame.length
+        frame.length += nbytes
+        return frame
 
     def copy_into(self, dst: memoryview, start: int = 0) -> None:
         """Copy payload bytes [start, start + len(dst)) into ``dst``."""
@@ -172,6 +191,7 @@ class RingWriter(WriterCore):
         self.r_count = [layout.reader_word(i, L.R_TAIL_COUNT) for i in range(layout.readers)]
         self.r_sleep = [layout.reader_word(i, L.R_SLEEP) for i in range(layout.readers)]
         self.episode = _episode()
+        self.written_at = 0  # where the payload of the last record try_write wrote starts
 
     @property
     def need(self) -> tuple[int, int]:
@@ -236,7 +256,7 @@ class RingWriter(WriterCore):
         i = off >> 3
         self.q[i] = (frame.length << 8) | frame.kind
         self.q[i + 1] = frame.aux
-        start = off + L.HEADER_SIZE
+        start = self.written_at = off + L.HEADER_SIZE
         data = self.data
         for offset, part in frame.parts:
             at = start + offset

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
@@ -13,6 +14,8 @@ from typing import NamedTuple, Protocol
 from ._layout import Layout
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 # cgroup v1 shows "no limit" as the largest page count times the page size (about 2**63).
 _V1_UNLIMITED = 1 << 62
@@ -88,6 +91,23 @@ class Segment:
             os.close(fd)
             raise
         return cls(fd, size, keep_fd=False)
+
+    def protect_data(self, offset: int) -> None:
+        """Make the data area, from ``offset`` (page-aligned) on, read-only in this process:
+        what a reader leases cannot be written through, by numpy, torch or anything else,
+        so one reader cannot change a message the others still read."""
+        self.data = self.buf[offset:].toreadonly()
+        length = len(self.buf) - offset
+        if length <= 0:
+            return
+        anchor = ctypes.c_char.from_buffer(self._map)
+        try:
+            address = ctypes.addressof(anchor) + offset
+        finally:
+            del anchor  # its export of the mapping ends here
+        if _libc.mprotect(ctypes.c_void_p(address), ctypes.c_size_t(length), mmap.PROT_READ):
+            err = ctypes.get_errno()
+            raise OSError(err, f"mprotect of the ring's data area failed: {os.strerror(err)}")
 
     def data_words(self) -> memoryview:
         """The data area as u64 words; released by ``close()``."""
@@ -176,9 +196,7 @@ def available_memory(
     return min(bounds, key=lambda b: b.available, default=None)
 
 
-def _memory_cgroups(
-    cgroup: str, mountinfo: str, root: str
-) -> Iterator[tuple[int, str, list[str]]]:
+def _memory_cgroups(cgroup: str, mountinfo: str, root: str) -> Iterator[tuple[int, str, list[str]]]:
     """(version, directory of the cgroup a mount shows at its top, path components from
     there to this process's own cgroup) for the v1 memory hierarchy and for v2."""
     paths: dict[int, str] = {}

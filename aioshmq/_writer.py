@@ -23,9 +23,10 @@ from ._errors import Full, PeerDied, UndeliveredWarning, busy
 from ._handle import Handle
 from ._layout import Layout
 from ._notify import Notifier, NotifierKind, default_kind
+from ._reserve import Reservation
 from ._ring import ATTACHED, DEAD, PENDING, Frame, Gate, RingWriter
 from ._segment import Segment
-from ._serialize import Buffer, SerializerSpec, resolve, unserializable
+from ._serialize import Buffer, PickleSerializer, SerializerSpec, resolve, unserializable
 
 T = TypeVar("T")
 
@@ -91,6 +92,10 @@ def create(
     return Writer(layout, ser, kind, name, on_reader_death, linger)
 
 
+def _same(view: memoryview) -> memoryview:
+    return view
+
+
 def _weakly(method: Callable[[], None]) -> Callable[[], None]:
     """``method`` called through a weak reference: the broker thread must not keep its
     writer alive (an unclosed writer is collected, warns and closes itself)."""
@@ -127,14 +132,16 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         super().__init__()
         self._closed = True  # until everything below exists
         self._halt = True  # closed, or its broker stopped: the hot paths check this alone
+        self._reserving = False  # a sync reservation's block is open (see _reserve)
         self._relay: Any = None  # serves remote readers (aioshmq.remote), if listening
         self._broken = False  # close as cut off at the source, not as ended
         self._linger = linger
         self._quiet = False
         self._layout = layout
         self._ser = serializer
-        # pickle.dumps's signature, for the core's one-call pickle-and-put (None: not pickle)
-        self._pickler: Callable[..., Any] | None = getattr(serializer, "pickler", None)
+        # Whether the serializer hands the core a pickle.dumps to call itself (one-call
+        # pickle-and-put); read per put, as it changes once torch is imported.
+        self._pickles = isinstance(serializer, PickleSerializer)
         self._name = name
         self._on_death = on_reader_death
         self._messages = 0
@@ -165,6 +172,11 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
             raise
         self._closed = self._halt = False
 
+    def _resume(self) -> None:
+        """A sync reservation's block ended: puts go on (unless the writer stopped)."""
+        self._reserving = False
+        self._halt = self._closed or self._broker.failure is not None
+
     def _broker_failed(self) -> None:
         """Called by the broker thread if it ever stops for something it could not survive."""
         self._halt = True
@@ -172,6 +184,8 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
 
     def _check(self) -> None:
         super()._check()
+        if self._reserving:
+            raise busy("a reservation (writer.reserve) is open on this writer: end its block first")
         failure = self._broker.failure
         if failure is not None:
             raise anyio.BrokenResourceError(
@@ -334,7 +348,7 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         elif (cancelled := pending_checkpoint()) is not None:
             await cancelled()
         ring = self._ring
-        pickler = self._pickler
+        pickler = self._ser.pickler if self._pickles else None
         if pickler is not None and not self._lock.locked():
             parts = self._put_object(obj, pickler)
             if parts is None:
@@ -373,6 +387,55 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
             return None
         return self._ser.finish(obj, rest)  # type: ignore[no-any-return]
 
+    def reserve(self, nbytes: int, *, timeout: float | None = None) -> Reservation[memoryview]:
+        """Room for one message of ``nbytes``, written in place: ``async with
+        writer.reserve(n) as view:`` (or ``with``, without an event loop) gives a writable
+        view of the ring, published as one message when the block ends, or not at all if
+        it raises or is cancelled.  Waits for room like ``put``, under both bounds;
+        ``timeout`` bounds the blocking form's wait.
+
+        Readers get the bytes as written: with the pickle serializers, a ``bytearray``
+        from ``get()`` and a read-only ``memoryview`` inside a lease; with ``raw``, as
+        ``raw`` messages always arrive; with a serializer of your own, they are what its
+        ``loads`` is given.  A reserved message is never split: at most half the ring.
+        """
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"reserve() takes a number of bytes >= 0, not {nbytes!r}")
+        ser = self._ser
+        main = ser.buffer_header() if isinstance(ser, PickleSerializer) else None
+        return Reservation(self, self._reserved(main, nbytes), _same, timeout)
+
+    def reserve_array(
+        self, shape: int | Iterable[int], dtype: Any, *, timeout: float | None = None
+    ) -> Reservation[Any]:
+        """``reserve`` for one C-contiguous numpy array, or CPU torch tensor if ``dtype`` is a
+        ``torch.dtype``, of ``shape``: the block fills it in place, and readers get an array
+        (tensor) of that shape and dtype, as if it had been put.  Needs a pickle serializer.
+        """
+        ser = self._ser
+        if not isinstance(ser, PickleSerializer):
+            raise TypeError(
+                f"reserve_array() needs the pickle or cloudpickle serializer; this ring uses "
+                f"{ser.name!r}: reserve(nbytes) writes its bytes in place"
+            )
+        dims = (shape,) if isinstance(shape, int) else tuple(shape)
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in dims):
+            raise ValueError(f"shape must be sizes >= 0, not {shape!r}")
+        main, nbytes, wrap = ser.reserved_array(dims, dtype)
+        return Reservation(self, self._reserved(main, nbytes), wrap, timeout)
+
+    def _reserved(self, main: Buffer | None, nbytes: int) -> Frame:
+        self._check()
+        frame = Frame.reserved(main, nbytes)
+        if not self._ring.fits_whole(frame):
+            most = self._ring.max_record - L.HEADER_SIZE - (frame.hole if main else 0)
+            raise ValueError(
+                f"a reserved message must fit in one record, at most {most} bytes in ring "
+                f"{self._name!r} (half its capacity of {self._layout.capacity}, less "
+                f"headers), not {nbytes}; put() sends bigger messages in fragments"
+            )
+        return frame
+
     async def send(self, item: T) -> None:
         """Same as ``put`` (the anyio stream interface)."""
         await self.put(item)
@@ -388,7 +451,7 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         """
         self._check()
         objs = list(objs)
-        pickler = self._pickler
+        pickler = self._ser.pickler if self._pickles else None
         if pickler is not None and 2 <= len(objs) <= self._layout.max_messages:
             if time.monotonic() >= self._next_yield:
                 await self._pace()
@@ -464,8 +527,8 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
             self._refuse_in_loop("put_sync", "writer.put(obj)")
         if self._lock.locked():
             raise busy("an async put or wait_readers is under way on this writer")
-        if self._pickler is not None:
-            parts = self._put_object(obj, self._pickler)
+        if self._pickles:
+            parts = self._put_object(obj, self._ser.pickler)
             if parts is None:
                 return
             frame = Frame(*parts)

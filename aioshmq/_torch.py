@@ -1,0 +1,155 @@
+"""PyTorch tensors out of band: the pickle reducer that sends a CPU tensor's bytes beside the
+pickle, and the function that rebuilds it on them.
+
+Imported only once a tensor is seen (the writer's serializer looks for ``torch`` in
+``sys.modules``; a reader imports this module when a message names ``_rebuild``).  torch's own
+pickling copies a tensor's storage into the pickle through ``torch.save``; here its bytes go
+straight into the ring, and a reader's tensor is built on them: on a copy that it owns after
+``get()``, on the ring itself (read-only) inside a lease.
+"""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+from typing import Any
+
+import torch
+
+__all__ = ["placeholder", "rebuild", "reduce_tensor", "tensor_view"]
+
+# torch warns whenever it wraps a read-only buffer (a lease's view of the ring): that is the
+# point here, and writing through such a tensor is refused by the memory itself (readers map
+# the ring's data read-only), so the warning is noise for this module's calls alone.
+warnings.filterwarnings(
+    "ignore",
+    message="The given buffer is not writable",
+    category=UserWarning,
+    module=__name__,
+)
+
+_DTYPES: dict[str, torch.dtype] = {}
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = _DTYPES.get(name)
+    if dtype is None:
+        found = getattr(torch, name, None)
+        if not isinstance(found, torch.dtype):
+            raise pickle.UnpicklingError(f"torch has no dtype named {name!r}")
+        dtype = _DTYPES[name] = found
+    return dtype
+
+
+def _dense_order(t: torch.Tensor) -> list[int] | None:
+    """The dimensions of ``t`` from outermost to innermost in memory if its elements fill
+    one span without gaps or overlaps (contiguous, or a permutation of it); else None."""
+    strides: tuple[int, ...] = tuple(t.stride())
+    sizes: tuple[int, ...] = tuple(t.shape)
+    dims = sorted(range(len(sizes)), key=lambda d: (-strides[d], -sizes[d]))
+    expected = 1
+    for d in reversed(dims):
+        size = sizes[d]
+        if size != 1 and strides[d] != expected:
+            return None
+        expected *= size
+    return dims
+
+
+def not_on_cpu(t: torch.Tensor) -> TypeError:
+    """The error for a tensor whose memory is not this process's (CUDA and the others)."""
+    device = t.device
+    if device.type == "meta":
+        return TypeError(
+            "a tensor on the 'meta' device has no data to send: make it on the CPU "
+            "(torch.empty(..., device='cpu')) or send its shape and dtype instead"
+        )
+    return TypeError(
+        f"a tensor on {device} cannot travel through shared memory: copy it to the CPU "
+        "first (tensor.cpu(), or tensor.to('cpu', non_blocking=True) and a synchronize), "
+        "and back to the device on the other side; device memory is shared between "
+        "processes with torch.multiprocessing (CUDA IPC), not through a ring"
+    )
+
+
+def reduce_tensor(t: torch.Tensor) -> tuple[Any, ...]:
+    """Reduce a plain ``torch.Tensor`` so that its bytes travel out of band."""
+    if t.device.type != "cpu":
+        raise not_on_cpu(t)
+    if t.layout != torch.strided or t.is_quantized or t.is_nested:
+        reduced: tuple[Any, ...] = t.__reduce_ex__(5)  # type: ignore[no-untyped-call]
+        return reduced  # torch's own pickling: sparse, quantized, nested
+    data = t.detach()
+    if data.is_conj():
+        data = data.resolve_conj()
+    if data.is_neg():
+        data = data.resolve_neg()
+    order = _dense_order(data)
+    if order is None:  # gaps or overlaps (a slice, an expand): made contiguous, once
+        data = data.contiguous()
+        order = list(range(data.dim()))
+    shape = tuple(data.shape)
+    strides = data.stride()
+    name = str(data.dtype).removeprefix("torch.")
+    if data.numel() == 0:
+        return rebuild, (None, name, shape, strides, None, t.requires_grad)
+    flat = data.permute(order) if order != sorted(order) else data
+    raw: Any = flat.reshape(-1).view(torch.uint8).numpy()
+    return rebuild, (
+        pickle.PickleBuffer(raw),
+        name,
+        shape,
+        strides,
+        order,
+        t.requires_grad,
+    )
+
+
+def tensor_view(buffer: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A C-contiguous tensor of ``shape`` on ``buffer``'s memory, without a copy."""
+    if memoryview(buffer).nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
+
+
+def rebuild(
+    buffer: Any,
+    name: str,
+    shape: tuple[int, ...],
+    strides: tuple[int, ...],
+    order: list[int] | None,
+    requires_grad: bool,
+) -> torch.Tensor:
+    """The tensor ``reduce_tensor`` described, on ``buffer``'s memory."""
+    dtype = _dtype(name)
+    if buffer is None or order is None:
+        t = torch.empty_strided(shape, strides, dtype=dtype)
+    else:
+        if len(order) != len(shape) or sorted(order) != list(range(len(shape))):
+            raise pickle.UnpicklingError(f"tensor dimension order {order!r} for shape {shape}")
+        outer = tuple(shape[d] for d in order)
+        nbytes = memoryview(buffer).nbytes
+        itemsize = dtype.itemsize
+        count = 1
+        for n in shape:
+            count *= n
+        if nbytes != count * itemsize:
+            raise pickle.UnpicklingError(
+                f"tensor of shape {shape} and dtype {name} needs {count * itemsize} bytes, "
+                f"the message carries {nbytes}"
+            )
+        t = tensor_view(buffer, dtype, outer)
+        if order != sorted(order):
+            inverse = [0] * len(order)
+            for i, d in enumerate(order):
+                inverse[d] = i
+            t = t.permute(inverse)
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
+def placeholder(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor whose pickle, buffers aside, is what a reserved tensor of ``dtype`` and
+    ``shape`` is sent as (its memory is never touched)."""
+    return torch.empty(shape, dtype=dtype)
