@@ -10,21 +10,30 @@ from ._errors import (
     UndeliveredWarning,
 )
 from ._handle import Handle
+from ._msgpack import MsgpackSerializer
 from ._open import connect, create
 from ._reader import Lease, Reader, ReaderStatistics
+from ._reserve import Reservation
+from ._serialize import BufferSerializer, CloudpickleSerializer, PickleSerializer, Reducer
 from ._switch import CORE
 from ._writer import Writer, WriterStatistics
 
 __all__ = [
     "CORE",
+    "BufferSerializer",
+    "CloudpickleSerializer",
     "CorruptedError",
     "Empty",
     "Full",
     "Handle",
     "Lease",
+    "MsgpackSerializer",
     "PeerDied",
+    "PickleSerializer",
     "Reader",
     "ReaderStatistics",
+    "Reducer",
+    "Reservation",
     "SerializationError",
     "UndeliveredWarning",
     "Writer",

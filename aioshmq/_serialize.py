@@ -86,17 +86,17 @@ class _Reducing:
     Pickler reused from call to call (as fast as ``pickle.dumps`` itself, measured)."""
 
     def __init__(self, pickler: type[pickle.Pickler], table: _Table) -> None:
-        self._cls = pickler
-        self._table = table
+        # The C Pickler reads ``dispatch_table`` once, at init, from its class or instance;
+        # cloudpickle's class attribute shadows the instance slot, so the table goes on a
+        # subclass, where both find it.
+        self._cls: type[pickle.Pickler] = type("_Pickler", (pickler,), {"dispatch_table": table})
         self._file = io.BytesIO()
         self._sink: Callable[[pickle.PickleBuffer], Any] | None = None
         self._pickler = self._make(self._file, self._relay)
         self._guard = threading.Lock()  # the reused Pickler serves one call at a time
 
     def _make(self, file: io.BytesIO, callback: Callable[..., Any] | None) -> pickle.Pickler:
-        pickler = self._cls(file, 5, buffer_callback=callback)
-        pickler.dispatch_table = self._table
-        return pickler
+        return self._cls(file, 5, buffer_callback=callback)
 
     def _relay(self, buffer: pickle.PickleBuffer) -> Any:
         sink = self._sink
@@ -354,9 +354,41 @@ class RawSerializer(Serializer):
         return main
 
 
+@runtime_checkable
+class BufferSerializer(Protocol):
+    """A serializer of your own whose large buffers travel out of band, as pickle's do.
+
+    ``out_of_band = True`` marks it.  ``dumps(obj)`` returns ``(header, buffers)``: a
+    bytes-like header and a sequence of C-contiguous bytes-like buffers, each copied into the
+    ring once, beside the header and 16-byte aligned.  ``loads(header, buffers)`` gets them
+    back: after ``get()``, ``bytes`` and ``bytearray`` copies that the object may keep; inside
+    a lease, read-only ``memoryview``s of the ring itself, valid only until the lease ends.
+    """
+
+    out_of_band: bool
+
+    def dumps(self, obj: Any, /) -> tuple[Any, Sequence[Any]]: ...
+
+    def loads(self, header: bytes | memoryview, buffers: Sequence[Buffer], /) -> Any: ...
+
+
 class _Custom(Serializer):
-    def __init__(self, user: UserSerializer) -> None:
+    def __init__(self, user: UserSerializer | BufferSerializer) -> None:
         self._user = user
+        self._oob = getattr(user, "out_of_band", False) is True
+        self._owner = type(user).__qualname__
+
+    def _bytes(self, data: object, what: str) -> memoryview:
+        try:
+            view = memoryview(data)  # type: ignore[arg-type]
+        except TypeError:
+            raise TypeError(
+                f"{self._owner}.dumps returned {type(data).__name__} as {what}, "
+                "not a bytes-like object"
+            ) from None
+        if not view.c_contiguous:
+            raise ValueError(f"{self._owner}.dumps returned a non-contiguous buffer as {what}")
+        return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
     def dumps(self, obj: Any) -> tuple[Buffer, list[memoryview]]:
         try:
@@ -364,26 +396,48 @@ class _Custom(Serializer):
         except MemoryError:
             raise
         except Exception as exc:
-            raise unserializable(obj, exc, type(self._user).__qualname__) from exc
-        try:
-            return memoryview(data).cast("B"), []
-        except TypeError:
+            raise unserializable(obj, exc, self._owner) from exc
+        if not self._oob:
+            return self._bytes(data, "its result"), []
+        if not isinstance(data, tuple) or len(data) != 2:
             raise TypeError(
-                f"{type(self._user).__name__}.dumps returned {type(data).__name__}, "
-                "not a bytes-like object"
-            ) from None
+                f"{self._owner}.dumps returned {type(data).__name__}: an out_of_band "
+                "serializer returns a (header, buffers) pair"
+            )
+        header, buffers = data
+        if isinstance(buffers, bytes | bytearray | memoryview) or not isinstance(buffers, Sequence):
+            raise TypeError(
+                f"{self._owner}.dumps returned {type(buffers).__name__} as its buffers, "
+                "not a sequence of bytes-like objects"
+            )
+        views = [self._bytes(b, f"buffer {i}") for i, b in enumerate(buffers)]
+        return self._bytes(header, "its header"), views
 
     def loads(self, main: memoryview, buffers: Sequence[Buffer]) -> Any:
-        return self._user.loads(bytes(main))
+        if self._oob:
+            return self._user.loads(bytes(main), list(buffers))  # type: ignore[call-arg]
+        return self._user.loads(bytes(main))  # type: ignore[call-arg]
+
+    def loads_view(self, main: memoryview, buffers: Sequence[memoryview]) -> Any:
+        if self._oob:
+            return self._user.loads(main, list(buffers))  # type: ignore[call-arg, arg-type]
+        return self._user.loads(bytes(main))  # type: ignore[call-arg]
 
 
-_NAMED: dict[str, type[Serializer]] = {
+def _msgpack() -> Serializer:
+    from ._msgpack import MsgpackSerializer
+
+    return MsgpackSerializer()
+
+
+_NAMED: dict[str, Callable[[], Serializer]] = {
     "pickle": PickleSerializer,
     "cloudpickle": CloudpickleSerializer,
     "raw": RawSerializer,
+    "msgpack": _msgpack,
 }
 
-SerializerSpec = str | UserSerializer | Serializer
+SerializerSpec = str | UserSerializer | BufferSerializer | Serializer
 
 
 def resolve(spec: SerializerSpec) -> Serializer:

@@ -281,3 +281,168 @@ async def test_put_many_names_the_object_that_cannot_be_pickled(anyio_backend: o
         assert w.statistics().messages_put == 0
         await w.put_many([5, 6])
         assert await r.get_many() == [5, 6]
+
+
+class _Blob:
+    """A user type whose payload a reducer sends out of band."""
+
+    def __init__(self, tag: str, data: bytes | bytearray | memoryview) -> None:
+        self.tag = tag
+        self.data = data
+
+
+def _rebuild_blob(tag: str, data: Any) -> _Blob:
+    return _Blob(tag, data)
+
+
+def _reduce_blob(blob: _Blob) -> tuple[Any, ...]:
+    return _rebuild_blob, (blob.tag, pickle.PickleBuffer(blob.data))
+
+
+def test_a_registered_reducer_sends_buffers_out_of_band_for_this_serializer_alone() -> None:
+    blob = _Blob("x", bytes(range(256)) * 64)
+    ser = PickleSerializer(reducers={_Blob: _reduce_blob})
+    main, buffers = ser.dumps({"b": blob})
+    assert [b.nbytes for b in buffers] == [len(blob.data)] and len(main) < 500
+    assert PickleSerializer().dumps(blob)[1] == []  # other serializers, and copyreg, untouched
+    assert len(pickle.dumps(blob, protocol=5)) > len(blob.data)
+    late = PickleSerializer()
+    late.register(_Blob, _reduce_blob)
+    assert len(late.dumps(blob)[1]) == 1
+
+
+async def test_reducers_through_the_ring_put_and_put_many() -> None:
+    ser = PickleSerializer(reducers={_Blob: _reduce_blob})
+    with aioshmq.create(capacity=1 << 20, serializer=ser) as w, aioshmq.connect(w.name) as r:
+        payload = bytes(range(256)) * 64
+        await w.put(_Blob("one", payload))
+        await w.put_many([_Blob("two", payload), _Blob("three", b"")])
+        got = await r.get()  # the reader registered nothing: pickle finds _rebuild_blob
+        assert got.tag == "one" and got.data == payload
+        assert [(b.tag, bytes(b.data)) for b in await r.get_many()] == [
+            ("two", payload),
+            ("three", b""),
+        ]
+        await w.put(_Blob("leased", payload))
+        async with r.lease() as leased:
+            assert isinstance(leased.data, memoryview) and leased.data.readonly
+            assert leased.data == payload
+
+
+def _failing_reducer(blob: _Blob) -> tuple[Any, ...]:
+    raise ValueError(f"cannot reduce blob {blob.tag}")
+
+
+async def test_a_reducer_that_fails_is_named_and_loses_nothing() -> None:
+    ser = PickleSerializer(reducers={_Blob: _failing_reducer})
+    with aioshmq.create(capacity=1 << 16, serializer=ser) as w, aioshmq.connect(w.name) as r:
+        with pytest.raises(aioshmq.SerializationError, match="cannot reduce blob bad"):
+            await w.put([1, _Blob("bad", b"x")])
+        await w.put([1, 2])  # the reused pickler starts clean after the failure
+        assert await r.get() == [1, 2]
+
+
+def test_a_reducer_may_pickle_with_the_same_serializer() -> None:
+    ser = PickleSerializer()
+
+    def nested(blob: _Blob) -> tuple[Any, ...]:
+        inner, buffers = ser.dumps({"tag": blob.tag})  # the pickler is busy: a fresh one
+        assert buffers == []
+        return _rebuild_blob, (pickle.loads(inner)["tag"], bytes(blob.data))
+
+    ser.register(_Blob, nested)
+    main, _ = ser.dumps([_Blob("a", b"1"), _Blob("b", b"2")])
+    assert [(b.tag, b.data) for b in pickle.loads(main)] == [("a", b"1"), ("b", b"2")]
+
+
+def test_register_checks_its_arguments() -> None:
+    with pytest.raises(TypeError, match="registered for types"):
+        PickleSerializer(reducers={"_Blob": _reduce_blob})  # type: ignore[dict-item]
+    with pytest.raises(TypeError, match="must be callable"):
+        PickleSerializer().register(_Blob, "no")  # type: ignore[arg-type]
+
+
+async def test_cloudpickle_with_reducers_still_sends_lambdas() -> None:
+    pytest.importorskip("cloudpickle")
+    from aioshmq._serialize import CloudpickleSerializer
+
+    ser = CloudpickleSerializer(reducers={_Blob: _reduce_blob})
+    with aioshmq.create(capacity=1 << 20, serializer=ser) as w, aioshmq.connect(w.name) as r:
+        await w.put((lambda x: x * 3, _Blob("c", b"z" * 4096)))
+        fn, blob = await r.get()
+        assert fn(2) == 6 and blob.data == b"z" * 4096
+        assert len(ser.dumps(_Blob("c", b"z" * 4096))[1]) == 1
+
+
+class _Frames:
+    """A user format with buffers of its own: a header of lengths, then the raw parts."""
+
+    out_of_band = True
+
+    def __init__(self) -> None:
+        self.loaded: list[tuple[type, list[type]]] = []
+
+    def dumps(self, obj: Any) -> Any:
+        if obj == "not a pair":
+            return b"header only"
+        if obj == "bad buffers":
+            return b"h", b"not a list"
+        if obj == "bad buffer":
+            return b"h", [b"ok", 12]
+        if obj == "strided":
+            return b"h", [memoryview(np.arange(10)[::2])]
+        if obj == "bad header":
+            return "text", []
+        return ",".join(str(memoryview(p).nbytes) for p in obj).encode(), list(obj)
+
+    def loads(self, header: Any, buffers: Any) -> Any:
+        self.loaded.append((type(header), [type(b) for b in buffers]))
+        sizes = [int(n) for n in bytes(header).decode().split(",") if n]
+        assert sizes == [memoryview(b).nbytes for b in buffers]
+        return buffers
+
+
+async def test_an_out_of_band_custom_serializer() -> None:
+    ser = _Frames()
+    parts = [b"a" * 100_000, np.arange(1000, dtype=np.float64), bytearray(b"")]
+    with aioshmq.create(capacity=1 << 20, serializer=ser) as w:
+        with aioshmq.connect(w.name, serializer=ser) as r:
+            main, buffers = resolve(ser).dumps(parts)
+            assert bytes(main) == b"100000,8000,0" and [b.nbytes for b in buffers] == [
+                100_000,
+                8000,
+                0,
+            ]
+            await w.put(parts)
+            got = await r.get()
+            assert [bytes(b) for b in got] == [bytes(memoryview(p).cast("B")) for p in parts]
+            assert ser.loaded[-1][0] is bytes and set(ser.loaded[-1][1]) <= {bytes, bytearray}
+            await w.put(parts)
+            async with r.lease() as views:
+                assert all(isinstance(v, memoryview) and v.readonly for v in views)
+                assert bytes(views[0]) == parts[0]
+            assert ser.loaded[-1][0] is memoryview
+            await w.put([])
+            assert await r.get() == []
+
+
+@pytest.mark.parametrize(
+    ("obj", "error", "match"),
+    [
+        ("not a pair", TypeError, r"_Frames.dumps returned bytes: .* \(header, buffers\) pair"),
+        ("bad buffers", TypeError, "returned bytes as its buffers, not a sequence"),
+        ("bad buffer", TypeError, "returned int as buffer 1, not a bytes-like object"),
+        ("strided", ValueError, "non-contiguous buffer as buffer 0"),
+        ("bad header", TypeError, "returned str as its header"),
+    ],
+)
+async def test_an_out_of_band_serializer_returning_the_wrong_thing(
+    obj: str, error: type[Exception], match: str
+) -> None:
+    ser = _Frames()
+    with aioshmq.create(capacity=1 << 16, serializer=ser) as w:
+        with aioshmq.connect(w.name, serializer=ser) as r:
+            with pytest.raises(error, match=match):
+                await w.put(obj)
+            await w.put([b"fine"])
+            assert await r.get() == [b"fine"]
