@@ -1,5 +1,4 @@
-"""The msgspec serializer: MessagePack, typed decoding, and numpy arrays and CPU torch
-tensors out of band.
+"""The msgspec serializer: MessagePack, typed decoding, arrays and tensors out of band.
 
 msgpack has no place for a buffer outside its stream, so an array travels as a small
 extension record (its dtype, shape and the index of its buffer) while its bytes go into the

@@ -1,5 +1,4 @@
-"""Writing in place: a message's bytes reserved in the ring, filled by the caller, then
-published whole, or not at all."""
+"""Writing in place: ring memory reserved, filled by the caller, then published or dropped."""
 
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
-"""PyTorch tensors out of band: the pickle reducer that sends a CPU tensor's bytes beside the
-pickle, and the function that rebuilds it on them.
+"""PyTorch tensors out of band: the reducer of CPU tensors, and their rebuilding on buffers.
 
-Imported only once a tensor is seen (the writer's serializer looks for ``torch`` in
-``sys.modules``; a reader imports this module when a message names ``_rebuild``).  torch's own
-pickling copies a tensor's storage into the pickle through ``torch.save``; here its bytes go
-straight into the ring, and a reader's tensor is built on them: on a copy that it owns after
-``get()``, on the ring itself (read-only) inside a lease.
+torch's own pickling copies a tensor's storage into the pickle (through ``torch.save``); here
+its bytes go into the ring beside the pickle, and a reader's tensor is built on them: on a
+copy it owns after ``get()``, on the ring itself (read-only) inside a lease.  Imported only
+once a tensor is seen: the writer's serializer looks for ``torch`` in ``sys.modules``, and a
+reader imports this module when a message names ``rebuild``.
 """
 
 from __future__ import annotations
