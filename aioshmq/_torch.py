@@ -17,16 +17,6 @@ import torch
 
 __all__ = ["placeholder", "rebuild", "reduce_tensor", "tensor_view"]
 
-# torch warns whenever it wraps a read-only buffer (a lease's view of the ring): that is the
-# point here, and writing through such a tensor is refused by the memory itself (readers map
-# the ring's data read-only), so the warning is noise for this module's calls alone.
-warnings.filterwarnings(
-    "ignore",
-    message="The given buffer is not writable",
-    category=UserWarning,
-    module=__name__,
-)
-
 _DTYPES: dict[str, torch.dtype] = {}
 
 
@@ -106,9 +96,19 @@ def reduce_tensor(t: torch.Tensor) -> tuple[Any, ...]:
 
 def tensor_view(buffer: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     """A C-contiguous tensor of ``shape`` on ``buffer``'s memory, without a copy."""
-    if memoryview(buffer).nbytes == 0:
+    view = memoryview(buffer)
+    if view.nbytes == 0:
         return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
+    if view.readonly:
+        # torch warns (once) that it cannot mark the tensor read-only: the memory itself is
+        # (readers map the ring's data read-only), so the warning would only alarm, and fail
+        # a program that turns warnings into errors.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "The given buffer is not writable")
+            raw = torch.frombuffer(view, dtype=torch.uint8)
+    else:
+        raw = torch.frombuffer(view, dtype=torch.uint8)
+    return raw.view(dtype).view(shape)
 
 
 def rebuild(

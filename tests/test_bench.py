@@ -6,6 +6,7 @@ import asyncio
 import importlib.util
 import json
 import sys
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -13,20 +14,36 @@ from typing import Any
 import pytest
 from conftest import run_in_session
 
+import aioshmq
 from aioshmq._bench import _rpc
-from aioshmq._bench._peers import MP_QUEUE, VLLM, Peer, _AioshmqReceiver
+from aioshmq._bench._peers import (
+    MP_QUEUE,
+    VLLM,
+    AioshmqChannel,
+    AioshmqGetChannel,
+    AioshmqMsgpackChannel,
+    AioshmqReserveChannel,
+    Channel,
+    Peer,
+    _AioshmqReceiver,
+)
 from aioshmq._bench._scenarios import SCENARIO_NAMES
-from aioshmq._bench._workload import TINY
+from aioshmq._bench._workload import TINY, Workload, small_tuple
 
 ROOT = Path(__file__).resolve().parent.parent
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 HAS_ZMQ = importlib.util.find_spec("zmq") is not None
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+HAS_MSGSPEC = importlib.util.find_spec("msgspec") is not None
 # Where vLLM is installed its readers import torch, seconds each: the tiny run takes minutes.
 TINY_TIMEOUT = 400 if HAS_VLLM else 55
 # The remote scenario alone: about 30 s on 2 busy CPUs (17 processes start for its wire rows).
 REMOTE_TIMEOUT = 150
-EVERY_TIMEOUT = TINY_TIMEOUT + REMOTE_TIMEOUT
+# tensors, reserve and serializers: about 20 s on 2 idle CPUs, most of it the 4 tensor
+# readers importing torch.
+NEW_PATHS_TIMEOUT = 90
+EVERY_TIMEOUT = TINY_TIMEOUT + REMOTE_TIMEOUT + NEW_PATHS_TIMEOUT
 
 
 @pytest.mark.timeout(EVERY_TIMEOUT + 5)
@@ -79,6 +96,7 @@ def test_bench_tiny_run_reports_every_scenario(tmp_path: Path, only: tuple[str, 
         _check_rpc_figures(results)
         _check_vllm_rows(results)
         _check_remote_rows(results)
+        _check_new_path_rows(results, only)
     if HAS_MATPLOTLIB:
         assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -196,6 +214,159 @@ def _check_remote_rows(results: list[dict[str, Any]]) -> None:
     assert all(r["value"] >= 100 for r in wire.values()), wire
 
 
+NEW_PATHS = ("tensors", "reserve", "serializers")
+TENSOR_SIZES = [f"{n >> 20} MiB" for n in dict.fromkeys((16 << 20, TINY.tensor_bytes))]
+
+
+def _new_path_rows(only: tuple[str, ...]) -> dict[tuple[str, str, str, str], set[str]]:
+    """(scenario, case, metric, unit): the columns of the new paths' scenarios among ``only``."""
+    rows: dict[tuple[str, str, str, str], set[str]] = {}
+    if "tensors" in only:
+        for size in TENSOR_SIZES:
+            for read in ("get", "lease"):
+                key = ("tensors", f"{size}, put + {read}", "throughput", "GB/s")
+                rows[key] = {"aioshmq", "aioshmq numpy"}
+    if "reserve" in only:
+        rows["reserve", "64 MiB", "throughput", "GB/s"] = {"aioshmq", "aioshmq put", "memcpy"}
+    if "serializers" in only:
+        for case in ("one per put", "one per put, a tuple"):
+            rows["serializers", case, "throughput", "msg/s"] = {"aioshmq", "aioshmq pickle"}
+    return rows
+
+
+def _check_new_path_rows(results: list[dict[str, Any]], only: tuple[str, ...]) -> None:
+    """Every row of tensors (a tensor beside the array it wraps, read by get and by lease,
+    in a ring 4 times the size), reserve (reserve_array beside put and memcpy) and
+    serializers (msgpack beside pickle): measured, or torch or msgspec said to be missing."""
+    rows = [r for r in results if r["scenario"] in NEW_PATHS]
+    got: dict[tuple[str, str, str, str], set[str]] = {}
+    for r in rows:
+        got.setdefault((r["scenario"], r["case"], r["metric"], r["unit"]), set()).add(r["peer"])
+    assert got == _new_path_rows(only), got
+    for r in rows:
+        params = r["params"]
+        if r["note"]:
+            missing = "not installed (torch)" if r["scenario"] == "tensors" else "not installed"
+            assert r["note"] == missing and r["value"] is None, r
+            assert not (HAS_TORCH if r["scenario"] == "tensors" else HAS_MSGSPEC), r
+            continue
+        assert isinstance(r["value"], float) and r["value"] > 0 and params["how"], r
+        if r["scenario"] == "tensors":
+            assert params["payload"] == ("tensor" if r["peer"] == "aioshmq" else "array"), r
+            assert r["case"].endswith(f"put + {params['read']}"), r
+            assert params["capacity"] == 4 * params["bytes"], r
+        elif r["scenario"] == "reserve" and r["peer"] != "memcpy":
+            assert ("reserve_array" in params["how"]) == (r["peer"] == "aioshmq"), r
+            assert params["read"] == "lease" and params["capacity"] == 4 * params["bytes"], r
+        elif r["scenario"] == "serializers":
+            assert params["serializer"] == ("msgpack" if r["peer"] == "aioshmq" else "pickle"), r
+
+
+@pytest.mark.timeout(NEW_PATHS_TIMEOUT + 5)
+@pytest.mark.parametrize(
+    "only",
+    [
+        pytest.param(("reserve", "serializers"), id="reserve-and-serializers"),  # seconds
+        # Its readers import torch, seconds each: the every-scenario run has it too.
+        pytest.param(("tensors",), id="tensors", marks=pytest.mark.slow),
+    ],
+)
+def test_bench_tiny_run_reports_the_rows_of_the_new_paths(
+    tmp_path: Path, only: tuple[str, ...]
+) -> None:
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "aioshmq", "bench", "--tiny", "--only", *only]
+    proc = run_in_session([*cmd, "--json", str(out)], ROOT, NEW_PATHS_TIMEOUT)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    results = json.loads(out.read_text())["results"]
+    assert {r["scenario"] for r in results} == set(only)
+    _check_new_path_rows(results, only)
+    for scenario, case, _, _ in _new_path_rows(only):
+        assert f"== {scenario}:" in proc.stdout and case in proc.stdout
+    _check_measured_only(proc.stdout + proc.stderr + out.read_text(), results)
+
+
+async def _through(channel: Channel, obj: Any, use: Callable[[Any], Any]) -> tuple[str, Any]:
+    """Send ``obj`` through ``channel`` within this process: how its receiver read it, and
+    ``use(message)``, called while the message is valid."""
+    try:
+        tx = channel.sender()
+        try:
+            rx = channel.receiver(0)
+            try:
+                await tx.send(obj)
+                return rx.read, await rx.recv_with(use)
+            finally:
+                rx.close()
+        finally:
+            tx.close()
+    finally:
+        channel.close()
+
+
+# torch warns (once a process) when it wraps the read-only ring; aioshmq._torch's filter for
+# that is set when it is first imported, and pytest drops it after the test that imported it.
+@pytest.mark.filterwarnings("ignore:The given buffer is not writable:UserWarning")
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("kind", ["array", "tensor"])
+@pytest.mark.parametrize(
+    ("channel", "read"), [(AioshmqGetChannel, "get"), (AioshmqChannel, "lease")]
+)
+async def test_payloads_are_read_by_get_or_inside_a_lease_as_the_channel_says(
+    anyio_backend: str, kind: str, channel: type[Channel], read: str
+) -> None:
+    pytest.importorskip("numpy")
+    if kind == "tensor":
+        pytest.importorskip("torch")
+    workload = Workload(kind, 1 << 20)  # type: ignore[arg-type]
+    got = await _through(
+        channel(1, capacity=4 << 20, depth=16, arrays=True),
+        workload.make(0),
+        lambda msg: (workload.check(msg, 0), type(msg).__name__)[1],
+    )
+    assert got == (read, "ndarray" if kind == "array" else "Tensor")
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_the_reserve_channel_writes_each_array_in_place(
+    anyio_backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("numpy")
+    reserved: list[tuple[Any, Any]] = []
+    reserve_array = aioshmq.Writer.reserve_array
+
+    def spy(writer: Any, shape: Any, dtype: Any, **kwargs: Any) -> Any:
+        reserved.append((shape, dtype))
+        return reserve_array(writer, shape, dtype, **kwargs)
+
+    monkeypatch.setattr(aioshmq.Writer, "reserve_array", spy)
+    workload = Workload("array", 1 << 20)
+    array = workload.make(0)
+    got = await _through(
+        AioshmqReserveChannel(1, capacity=4 << 20, depth=16, arrays=True),
+        array,
+        lambda msg: (workload.check(msg, 0), bytes(msg) == array.tobytes())[1],
+    )
+    assert got == ("lease", True)
+    assert reserved == [(array.shape, array.dtype)]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize(
+    ("channel", "arrives_as"), [(AioshmqMsgpackChannel, list), (AioshmqChannel, tuple)]
+)
+async def test_the_msgpack_channel_sends_msgpack(
+    anyio_backend: str, channel: type[Channel], arrives_as: type
+) -> None:
+    pytest.importorskip("msgspec")
+    sent = small_tuple(7)
+    _, got = await _through(channel(1), sent, lambda msg: msg)
+    assert type(got) is arrives_as and list(got) == list(sent)  # msgpack has no tuples
+
+
 @pytest.mark.slow  # the every-scenario run checks the same rows in the slow tier too
 @pytest.mark.timeout(REMOTE_TIMEOUT + 5)
 def test_bench_tiny_remote_run_reports_its_rows(tmp_path: Path) -> None:
@@ -255,7 +426,7 @@ async def test_large_payloads_are_read_through_a_lease_when_the_reader_has_one(
     anyio_backend: str,
 ) -> None:
     reader = _LeasingReader()
-    rx = _AioshmqReceiver(reader, arrays=True)  # type: ignore[arg-type]
+    rx = _AioshmqReceiver(reader, lease=True)  # type: ignore[arg-type]
     assert rx.read == "lease"
     seen = await rx.recv_with(lambda msg: (msg, reader.inside))
     assert seen == (b"leased", True)  # used while the lease was held

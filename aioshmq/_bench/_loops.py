@@ -228,8 +228,11 @@ def reader_main(
     tick: bool,
 ) -> ReaderReport:
     """A receiving process: open reader ``index``, say ready, drain until STOP, report."""
-    if workload.kind == "array":
-        importlib.import_module("numpy")  # before the clock runs: unpickling would import it
+    # Imported before the clock runs, rather than by unpickling the first message.
+    if workload.arrays:
+        importlib.import_module("numpy")
+    if workload.kind == "tensor":
+        importlib.import_module("torch")  # seconds
 
     async def main() -> ReaderReport:
         rx = channel.receiver(index)

@@ -94,8 +94,9 @@ class Channel:
     """One direction of traffic, from one process to ``readers`` processes.
 
     ``capacity`` (bytes) and ``depth`` (messages) bound what is in flight, where the
-    transport has such bounds; ``arrays`` says the messages are uint8 numpy arrays, for
-    transports that send raw buffers rather than pickles.
+    transport has such bounds; ``arrays`` says the messages are large payloads: uint8 numpy
+    arrays, for transports that send raw buffers rather than pickles (aioshmq: or CPU torch
+    tensors), read inside a lease where the transport has one.
     """
 
     broadcast = False  #: whether several readers each get every message
@@ -134,14 +135,23 @@ class Channel:
 
 
 class _AioshmqSender(Sender):
-    def __init__(self, writer: aioshmq.Writer[Any]) -> None:
+    def __init__(self, writer: aioshmq.Writer[Any], reserve: bool = False) -> None:
         self._writer = writer
+        # Arrays are written in place: reserve_array() of their shape and dtype, filled with
+        # numpy.copyto from the array (what the memcpy floor does), published at block end.
+        self._copyto: Callable[[Any, Any], None] | None = None
+        if reserve:
+            self._copyto = importlib.import_module("numpy").copyto
 
     async def wait_ready(self) -> None:
         await self._writer.wait_readers()
 
     async def send(self, obj: Any) -> None:
-        await self._writer.put(obj)
+        if self._copyto is None or obj is STOP:
+            await self._writer.put(obj)
+            return
+        async with self._writer.reserve_array(obj.shape, obj.dtype) as place:
+            self._copyto(place, obj)
 
     async def send_many(self, objs: list[Any]) -> None:
         await self._writer.put_many(objs)
@@ -155,12 +165,12 @@ class _AioshmqSender(Sender):
 
 
 class _AioshmqReceiver(Receiver):
-    def __init__(self, reader: aioshmq.Reader[Any], arrays: bool) -> None:
+    def __init__(self, reader: aioshmq.Reader[Any], lease: bool) -> None:
         self._reader = reader
-        # LEASE: the zero-copy read plugs in here.  Once the library has ``reader.lease()``
-        # (an async context manager giving the message, valid inside the block), large
-        # payloads are read through it instead of ``get()``, which copies them out.
-        self._lease: Callable[[], Any] | None = getattr(reader, "lease", None) if arrays else None
+        # With ``lease`` (large payloads), each message is read inside ``reader.lease()``
+        # (valid inside the block, viewing the ring) instead of ``get()``, which copies it
+        # out; a reader without ``lease`` (a library before it) gets.
+        self._lease: Callable[[], Any] | None = getattr(reader, "lease", None) if lease else None
         self.read = "get" if self._lease is None else "lease"
 
     async def recv(self) -> Any:
@@ -184,21 +194,31 @@ class _AioshmqReceiver(Receiver):
 
 
 class AioshmqChannel(Channel):
-    """An aioshmq ring, made by the sender under a name chosen here, attached to by name."""
+    """An aioshmq ring, made by the sender under a name chosen here, attached to by name.
+
+    Subclasses change how it is used through the class attributes: the readers' spin, the
+    serializer (readers learn it from the ring), how arrays are read and how they are written.
+    """
 
     broadcast = True
     spin: float | None = None  #: the readers' spin before sleeping (None: the default)
+    serializer = "pickle"  #: the ring's serializer, by name
+    lease = True  #: read arrays inside ``reader.lease()`` (zero-copy), else with ``get()``
+    reserve = False  #: write arrays in place through ``reserve_array()``, else ``put()``
 
     def _make(self) -> None:
         self.name = f"bench-{os.getpid()}-{secrets.token_hex(6)}"
 
-    def sender(self) -> Sender:
-        return _AioshmqSender(
-            aioshmq.create(self.capacity, self.depth, self.readers, name=self.name)
+    def _create(self) -> aioshmq.Writer[Any]:
+        return aioshmq.create(
+            self.capacity, self.depth, self.readers, name=self.name, serializer=self.serializer
         )
 
+    def sender(self) -> Sender:
+        return _AioshmqSender(self._create(), self.arrays and self.reserve)
+
     def receiver(self, index: int) -> Receiver:
-        return _AioshmqReceiver(_attach(self.name, index, self.spin), self.arrays)
+        return _AioshmqReceiver(_attach(self.name, index, self.spin), self.arrays and self.lease)
 
 
 class _AioshmqSyncSender(_AioshmqSender):
@@ -219,9 +239,7 @@ class AioshmqSyncChannel(AioshmqChannel):
     """The same ring used from plain threads: ``put_sync`` and ``get_sync``, no event loop."""
 
     def sender(self) -> Sender:
-        return _AioshmqSyncSender(
-            aioshmq.create(self.capacity, self.depth, self.readers, name=self.name)
-        )
+        return _AioshmqSyncSender(self._create())
 
     def receiver(self, index: int) -> Receiver:
         return _AioshmqSyncReceiver(_attach(self.name, index, self.spin), self.arrays)
@@ -884,4 +902,44 @@ class AioshmqSleepingChannel(AioshmqChannel):
 
 AIOSHMQ_ASLEEP = Peer(
     "aioshmq", AioshmqSleepingChannel, "two rings, readers with spin=0", "put_many/get_many(64)"
+)
+
+
+class AioshmqGetChannel(AioshmqChannel):
+    """An aioshmq ring whose readers ``get()`` arrays (a copy they own), never lease them."""
+
+    lease = False
+
+
+AIOSHMQ_GET = Peer("aioshmq", AioshmqGetChannel, "put/get, out of band; get() copies out", "-")
+
+
+class AioshmqReserveChannel(AioshmqChannel):
+    """An aioshmq ring whose writer fills each array in place, in ``reserve_array()``'s view
+    of the ring (``numpy.copyto`` from the array to send), instead of ``put()``."""
+
+    reserve = True
+
+
+AIOSHMQ_RESERVE = Peer(
+    "aioshmq",
+    AioshmqReserveChannel,
+    "reserve_array(shape, dtype) filled with numpy.copyto(view, array), lease",
+    "-",
+    ("numpy",),
+)
+
+
+class AioshmqMsgpackChannel(AioshmqChannel):
+    """An aioshmq ring with ``serializer="msgpack"`` (msgspec); readers pick it up by name."""
+
+    serializer = "msgpack"
+
+
+AIOSHMQ_MSGPACK = Peer(
+    "aioshmq",
+    AioshmqMsgpackChannel,
+    'async put/get, serializer="msgpack" (msgspec)',
+    "-",
+    ("msgspec",),
 )

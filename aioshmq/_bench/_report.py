@@ -19,7 +19,7 @@ LEGEND = (
 )
 
 
-COLORS = {  # one colour per transport in every chart
+COLORS = {  # one colour per transport in every chart (a name's first word, if not its own)
     "aioshmq": "#1f77b4",
     "mp.Queue": "#ff7f0e",
     "zmq.asyncio": "#2ca02c",
@@ -31,6 +31,9 @@ COLORS = {  # one colour per transport in every chart
     "aioshmq-plain": "#aec7e8",
     "aioshmq-direct": "#393b79",
     "pyzmq": "#98df8a",
+    "aioshmq numpy": "#ffbb78",
+    "aioshmq put": "#ffbb78",
+    "aioshmq pickle": "#ffbb78",
 }
 FLOORS = {"memcpy"}  # shown as the share of it that aioshmq reaches
 LOG_SCALE = {"large"}  # memcpy is ten times anything else there
@@ -175,7 +178,7 @@ def plot(path: Path, results: Sequence[Result], titles: Mapping[str, str]) -> No
                     xs.append(i - 0.4 + width * (j + 0.5))
                     heights.append(result.value)
             if xs:
-                color = COLORS.get(peer.split()[0], "#8c564b")
+                color = COLORS.get(peer) or COLORS.get(peer.split()[0], "#8c564b")
                 ax.bar(xs, heights, width, label=peer, color=color)
         ax.set_xticks(range(len(keys)))
         ax.set_xticklabels([key.replace("\0", "\n") for key in keys], fontsize=7)

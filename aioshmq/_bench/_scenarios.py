@@ -1,4 +1,4 @@
-"""The eight scenarios: what each measures, on which transports, and how runs become figures.
+"""The eleven scenarios: what each measures, on which transports, and how runs become figures.
 
 Every measurement runs in fresh processes: the parent sends (or pings, or watches), children
 started with "spawn" receive.  The parent's side runs under asyncio.  One measurement that
@@ -38,9 +38,12 @@ from ._peers import (
     AIOSHMQ,
     AIOSHMQ_ASLEEP,
     AIOSHMQ_DIRECT,
+    AIOSHMQ_GET,
     AIOSHMQ_MIRROR,
+    AIOSHMQ_MSGPACK,
     AIOSHMQ_PLAIN,
     AIOSHMQ_REMOTE,
+    AIOSHMQ_RESERVE,
     AIOSHMQ_SYNC,
     EVENTFD,
     FASTER_FIFO,
@@ -151,9 +154,7 @@ async def _stream(
 ) -> Stream:
     """One writer (this process) streaming to ``readers`` child processes."""
     with anyio.fail_after(MEASURE_TIMEOUT):
-        channel = peer.channel(
-            readers, capacity=capacity, depth=depth, arrays=workload.kind == "array"
-        )
+        channel = peer.channel(readers, capacity=capacity, depth=depth, arrays=workload.arrays)
         try:
             tx = channel.sender()
             try:
@@ -211,7 +212,7 @@ def _throughput(
 ) -> dict[str, float]:
     """The median over the budget's repeats of messages/s (small) or GB/s (arrays)."""
     budget = bench.budget
-    arrays = workload.kind == "array"
+    arrays = workload.arrays
     warmup = budget.warmup_arrays if arrays else budget.warmup_messages
     min_messages = budget.min_arrays if arrays else 1
     rates: list[float] = []
@@ -388,6 +389,13 @@ def small(bench: Bench) -> None:
 
 def _numpy_missing() -> str | None:
     return None if importlib.util.find_spec("numpy") else "not installed (numpy)"
+
+
+def _torch_missing() -> str | None:
+    """Why tensors cannot be measured here (torch wraps numpy's array), or None."""
+    if no_numpy := _numpy_missing():
+        return no_numpy
+    return None if importlib.util.find_spec("torch") else "not installed (torch)"
 
 
 def large(bench: Bench) -> None:
@@ -821,6 +829,103 @@ def remote(bench: Bench) -> None:
         )
 
 
+def tensors(bench: Bench) -> None:
+    """uint8 CPU torch tensors of 16 MiB and 256 MiB (the tiny budget: 64 MiB) in GB/s,
+    1 writer -> 1 reader, read with get() (a tensor owning a copy) and inside a lease (a
+    tensor viewing the ring), each next to the numpy array that the tensor wraps, sent and
+    read the same way: a tensor's bytes travel out of band as an array's do, so the two
+    should be level (the tensor within 10% of the array)."""
+    no_numpy, no_torch = _numpy_missing(), _torch_missing()
+    reads = "get() copies out, lease() views the ring"
+    for nbytes in dict.fromkeys((16 * MiB, bench.budget.tensor_bytes)):
+        capacity = 4 * nbytes  # each message one record: at most half the ring
+        for peer, read in ((AIOSHMQ_GET, "get"), (AIOSHMQ, "lease")):
+            for name, workload, what, absent in (
+                ("aioshmq", Workload("tensor", nbytes), "a uint8 CPU tensor", no_torch),
+                ("aioshmq numpy", Workload("array", nbytes), "the array it wraps", no_numpy),
+            ):
+                bench.measure(
+                    "tensors",
+                    f"{nbytes // MiB} MiB, put + {read}",
+                    name,
+                    {"throughput": "GB/s"},
+                    {
+                        "bytes": nbytes,
+                        "payload": workload.kind,
+                        "dtype": "uint8",
+                        "capacity": capacity,
+                        "depth": 16,
+                        "how": f"put({what}), out of band; {reads}",
+                    },
+                    partial(_throughput, bench, peer, workload, capacity=capacity, depth=16),
+                    absent=absent,
+                )
+
+
+def reserve(bench: Bench) -> None:
+    """64 MiB numpy arrays written in place, 1 writer -> 1 reader (lease), in GB/s: the
+    writer fills ``reserve_array()``'s view of the ring with numpy.copyto from a prepared
+    array, the very copy that the memcpy floor times (so its share of memcpy is what the
+    ring costs besides the copy), next to that floor and to put() of the same array."""
+    nbytes = 64 * MiB
+    capacity = 4 * nbytes  # a reserved message is one record: at most half the ring
+    workload = Workload("array", nbytes)
+    no_numpy = _numpy_missing()
+    case = "64 MiB"
+    bench.measure(
+        "reserve",
+        case,
+        "memcpy",
+        {"throughput": "GB/s"},
+        {"bytes": nbytes, "how": "numpy.copyto into an mmap'd memfd, best of several"},
+        partial(_memcpy, nbytes, bench.budget.memcpy_seconds),
+        absent=no_numpy,
+    )
+    for name, peer, how in (
+        ("aioshmq", AIOSHMQ_RESERVE, AIOSHMQ_RESERVE.how),
+        ("aioshmq put", AIOSHMQ, "put(array), out of band (copied into the ring), lease"),
+    ):
+        bench.measure(
+            "reserve",
+            case,
+            name,
+            {"throughput": "GB/s"},
+            {"bytes": nbytes, "capacity": capacity, "depth": 16, "how": how},
+            partial(_throughput, bench, peer, workload, capacity=capacity, depth=16),
+            absent=no_numpy or peer.missing(),
+        )
+
+
+def serializers(bench: Bench) -> None:
+    """100-byte objects (the bench's dict, and a plain tuple), 1 writer -> 1 reader, one per
+    put, in msg/s: a ring with serializer="msgpack" (msgspec) next to one with the default
+    pickle.  The reader checks every message as in ``small``."""
+    for kind, what in (("small", ""), ("tuple", ", a tuple")):
+        workload = Workload(kind)  # type: ignore[arg-type]
+        for name, peer, serializer in (
+            ("aioshmq", AIOSHMQ_MSGPACK, "msgpack"),
+            ("aioshmq pickle", AIOSHMQ, "pickle"),
+        ):
+            bench.measure(
+                "serializers",
+                f"one per put{what}",
+                name,
+                {"throughput": "msg/s"},
+                {
+                    "readers": 1,
+                    "object_bytes": 100,
+                    "object": "tuple" if kind == "tuple" else "dict",
+                    "serializer": serializer,
+                    "capacity": SMALL_CAPACITY,
+                    "depth": SMALL_DEPTH,
+                    "backend": "asyncio",
+                    "how": f'async put/get, serializer="{serializer}"',
+                },
+                partial(_throughput, bench, peer, workload),
+                absent=peer.missing(),
+            )
+
+
 @dataclass(frozen=True)
 class Scenario:
     name: str
@@ -837,6 +942,21 @@ SCENARIOS = (
     Scenario("lag", "event-loop lag: 1 ms ticker while 1 MiB arrays stream", lag),
     Scenario("rpc", f"RPC: 1 async scheduler -> {WORKERS} worker processes, echo(100 B)", rpc),
     Scenario("remote", "remote readers over TCP loopback (aioshmq.remote) and raw pyzmq", remote),
+    Scenario(
+        "tensors",
+        "CPU torch tensors (aioshmq) next to the same bytes as numpy arrays, 1 writer -> 1 reader",
+        tensors,
+    ),
+    Scenario(
+        "reserve",
+        "64 MiB written in place by reserve_array() (aioshmq) next to put() and memcpy",
+        reserve,
+    ),
+    Scenario(
+        "serializers",
+        'small objects (100 B), serializer="msgpack" (aioshmq) next to pickle, 1 -> 1 reader',
+        serializers,
+    ),
 )
 SCENARIO_NAMES = tuple(scenario.name for scenario in SCENARIOS)
 
