@@ -66,8 +66,9 @@ def reduce_tensor(t: torch.Tensor) -> tuple[Any, ...]:
     if t.device.type != "cpu":
         raise not_on_cpu(t)
     if t.layout != torch.strided or t.is_quantized or t.is_nested:
-        reduced: tuple[Any, ...] = t.__reduce_ex__(5)  # type: ignore[no-untyped-call]
-        return reduced  # torch's own pickling: sparse, quantized, nested
+        # torch's own pickling: sparse, quantized, nested (their inner tensors come back here)
+        fn, args, *rest = t.__reduce_ex__(5)  # type: ignore[no-untyped-call]
+        return (rebuild_checked, (fn, args), *rest)
     data = t.detach()
     if data.is_conj():
         data = data.resolve_conj()
@@ -83,7 +84,10 @@ def reduce_tensor(t: torch.Tensor) -> tuple[Any, ...]:
     if data.numel() == 0:
         return rebuild, (None, name, shape, strides, None, t.requires_grad)
     flat = data.permute(order) if order != sorted(order) else data
-    raw: Any = flat.reshape(-1).view(torch.uint8).numpy()
+    line = flat.reshape(-1)
+    if line.stride(0) != 1:  # one element whose stride is not 1: dense, but not to view()
+        line = line.as_strided((line.numel(),), (1,))
+    raw: Any = line.view(torch.uint8).numpy()
     return rebuild, (
         pickle.PickleBuffer(raw),
         name,
@@ -92,6 +96,24 @@ def reduce_tensor(t: torch.Tensor) -> tuple[Any, ...]:
         order,
         t.requires_grad,
     )
+
+
+def rebuild_checked(fn: Any, args: tuple[Any, ...]) -> Any:
+    """``fn(*args)``, torch's own rebuilding, then what ``torch.load`` does after it: check the
+    sparse tensors it rebuilt (which torch keeps in a list, for ever, until then)."""
+    t = fn(*args)
+    if torch._utils._sparse_tensors_to_validate:
+        torch._utils._validate_loaded_sparse_tensors()  # type: ignore[no-untyped-call]
+    return t
+
+
+def _empty(shape: tuple[int, ...], strides: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    try:
+        return torch.empty_strided(shape, strides, dtype=dtype)
+    except RuntimeError:  # a quantized dtype held by a plain tensor: from bytes, as it was made
+        if any(n == 0 for n in shape):
+            return torch.empty(0, dtype=torch.uint8).view(dtype).reshape(shape)
+        raise
 
 
 def tensor_view(buffer: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -122,7 +144,7 @@ def rebuild(
     """The tensor ``reduce_tensor`` described, on ``buffer``'s memory."""
     dtype = _dtype(name)
     if buffer is None or order is None:
-        t = torch.empty_strided(shape, strides, dtype=dtype)
+        t = _empty(shape, strides, dtype)
     else:
         if len(order) != len(shape) or sorted(order) != list(range(len(shape))):
             raise pickle.UnpicklingError(f"tensor dimension order {order!r} for shape {shape}")
