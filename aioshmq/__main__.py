@@ -21,7 +21,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "Measure aioshmq against multiprocessing.Queue, pyzmq and faster-fifo (those "
             "installed), across processes: small-object throughput, large payloads next to "
             "memcpy, ping-pong latency, broadcast, idle CPU, event-loop lag, and RPC from an async "
-            "scheduler to 4 worker processes (aioshmq.rpc against zmq.asyncio).  Progress "
+            "scheduler to 4 worker processes (aioshmq.rpc against zmq.asyncio); CPU torch "
+            "tensors next to numpy arrays, writing in place (reserve) next to memcpy, and "
+            "msgpack next to pickle.  Progress "
             "goes to stderr, the table to stdout.  A full run takes a few minutes on 2 cores."
         ),
     )
