@@ -18,6 +18,8 @@ import torch
 __all__ = ["placeholder", "rebuild", "reduce_tensor", "tensor_view"]
 
 _DTYPES: dict[str, torch.dtype] = {}
+_NAMES: dict[torch.dtype, str] = {}
+_quiet = False  # torch has given its once-a-process warning about read-only buffers
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -65,37 +67,35 @@ def reduce_tensor(t: torch.Tensor) -> tuple[Any, ...]:
     """Reduce a plain ``torch.Tensor`` so that its bytes travel out of band."""
     if t.device.type != "cpu":
         raise not_on_cpu(t)
-    if t.layout != torch.strided or t.is_quantized or t.is_nested:
+    if t.layout is not torch.strided or t.is_quantized or t.is_nested:
         # torch's own pickling: sparse, quantized, nested (their inner tensors come back here)
         fn, args, *rest = t.__reduce_ex__(5)  # type: ignore[no-untyped-call]
         return (rebuild_checked, (fn, args), *rest)
-    data = t.detach()
+    requires_grad = t.requires_grad
+    data = t.detach() if requires_grad else t
     if data.is_conj():
         data = data.resolve_conj()
     if data.is_neg():
         data = data.resolve_neg()
-    order = _dense_order(data)
-    if order is None:  # gaps or overlaps (a slice, an expand): made contiguous, once
-        data = data.contiguous()
-        order = list(range(data.dim()))
+    name = _NAMES.get(data.dtype)
+    if name is None:
+        name = _NAMES[data.dtype] = str(data.dtype).removeprefix("torch.")
+    order: list[int] | None = None  # C order, the common case
+    if not data.is_contiguous():
+        order = _dense_order(data)
+        if order is None:  # gaps or overlaps (a slice, an expand): made contiguous, once
+            data = data.contiguous()
+        elif order == sorted(order):
+            order = None
     shape = tuple(data.shape)
     strides = data.stride()
-    name = str(data.dtype).removeprefix("torch.")
     if data.numel() == 0:
-        return rebuild, (None, name, shape, strides, None, t.requires_grad)
-    flat = data.permute(order) if order != sorted(order) else data
-    line = flat.reshape(-1)
+        return rebuild, (None, name, shape, strides, None, requires_grad)
+    line = (data if order is None else data.permute(order)).reshape(-1)
     if line.stride(0) != 1:  # one element whose stride is not 1: dense, but not to view()
         line = line.as_strided((line.numel(),), (1,))
     raw: Any = line.view(torch.uint8).numpy()
-    return rebuild, (
-        pickle.PickleBuffer(raw),
-        name,
-        shape,
-        strides,
-        order,
-        t.requires_grad,
-    )
+    return rebuild, (pickle.PickleBuffer(raw), name, shape, strides, order, requires_grad)
 
 
 def rebuild_checked(fn: Any, args: tuple[Any, ...]) -> Any:
@@ -118,19 +118,22 @@ def _empty(shape: tuple[int, ...], strides: tuple[int, ...], dtype: torch.dtype)
 
 def tensor_view(buffer: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     """A C-contiguous tensor of ``shape`` on ``buffer``'s memory, without a copy."""
+    global _quiet
     view = memoryview(buffer)
     if view.nbytes == 0:
         return torch.empty(shape, dtype=dtype)
-    if view.readonly:
-        # torch warns (once) that it cannot mark the tensor read-only: the memory itself is
-        # (readers map the ring's data read-only), so the warning would only alarm, and fail
-        # a program that turns warnings into errors.
+    if view.readonly and not _quiet:
+        # torch warns, once a process, that it cannot mark the tensor read-only: the memory
+        # itself is (readers map the ring's data read-only), so the warning would only
+        # alarm, and fail a program that turns warnings into errors.
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "The given buffer is not writable")
             raw = torch.frombuffer(view, dtype=torch.uint8)
+        _quiet = True
     else:
         raw = torch.frombuffer(view, dtype=torch.uint8)
-    return raw.view(dtype).view(shape)
+    t = raw.view(dtype)
+    return t if len(shape) == 1 else t.view(shape)
 
 
 def rebuild(
@@ -143,24 +146,28 @@ def rebuild(
 ) -> torch.Tensor:
     """The tensor ``reduce_tensor`` described, on ``buffer``'s memory."""
     dtype = _dtype(name)
-    if buffer is None or order is None:
+    count = 1
+    for n in shape:
+        count *= n
+    if buffer is None:
+        if count:
+            raise pickle.UnpicklingError(f"tensor of shape {shape} without its bytes")
         t = _empty(shape, strides, dtype)
     else:
-        if len(order) != len(shape) or sorted(order) != list(range(len(shape))):
+        if order is None:
+            outer = shape
+        elif len(order) != len(shape) or sorted(order) != list(range(len(shape))):
             raise pickle.UnpicklingError(f"tensor dimension order {order!r} for shape {shape}")
-        outer = tuple(shape[d] for d in order)
+        else:
+            outer = tuple(shape[d] for d in order)
         nbytes = memoryview(buffer).nbytes
-        itemsize = dtype.itemsize
-        count = 1
-        for n in shape:
-            count *= n
-        if nbytes != count * itemsize:
+        if nbytes != count * dtype.itemsize:
             raise pickle.UnpicklingError(
-                f"tensor of shape {shape} and dtype {name} needs {count * itemsize} bytes, "
-                f"the message carries {nbytes}"
+                f"tensor of shape {shape} and dtype {name} needs {count * dtype.itemsize} "
+                f"bytes, the message carries {nbytes}"
             )
         t = tensor_view(buffer, dtype, outer)
-        if order != sorted(order):
+        if order is not None:
             inverse = [0] * len(order)
             for i, d in enumerate(order):
                 inverse[d] = i
