@@ -11,7 +11,7 @@ from ._errors import (
 )
 from ._handle import Handle
 from ._msgpack import MsgpackSerializer
-from ._open import connect, create
+from ._open import aconnect, connect, create
 from ._reader import Lease, Reader, ReaderStatistics
 from ._reserve import Reservation
 from ._serialize import BufferSerializer, CloudpickleSerializer, PickleSerializer, Reducer
@@ -38,6 +38,7 @@ __all__ = [
     "UndeliveredWarning",
     "Writer",
     "WriterStatistics",
+    "aconnect",
     "connect",
     "create",
     "remote",

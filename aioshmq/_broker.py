@@ -481,29 +481,57 @@ def _remaining(deadline: float | None) -> float | None:
     return max(deadline - time.monotonic(), 0.0)
 
 
+_FIRST_RETRY = 0.001  # seconds before looking again for a ring that is not there yet
+_LAST_RETRY = 0.05  # the longest pause between two looks
+
+
+def _reach(name: str, deadline: float | None, wait: threading.Event | None) -> socket.socket:
+    """A socket connected to the broker of ring ``name``.  With ``wait``, a ring that is not
+    there yet is looked for again, less and less often, until the deadline (TimeoutError) or
+    until ``wait`` is set (the caller gave up: FileNotFoundError)."""
+    pause = _FIRST_RETRY
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            sock.settimeout(_remaining(deadline))
+            sock.connect(PREFIX + name)
+            return sock
+        except (FileNotFoundError, ConnectionRefusedError):
+            sock.close()
+            left = _remaining(deadline)
+            if wait is None or wait.is_set():
+                raise FileNotFoundError(
+                    f"no aioshmq ring named {name!r} (its writer closed, or never existed)"
+                ) from None
+            if left is not None and left <= 0:
+                raise TimeoutError(
+                    f"no aioshmq ring named {name!r} appeared within the timeout"
+                ) from None
+            if wait.wait(pause if left is None else min(pause, left)):
+                raise FileNotFoundError(f"gave up waiting for aioshmq ring {name!r}") from None
+            pause = min(pause * 2, _LAST_RETRY)
+        except BaseException:
+            sock.close()
+            raise
+
+
 def request(
     name: str,
     index: int,
     deadline: float | None,
     trusted_uids: Iterable[int] = (),
     peer: str = "",
+    wait: threading.Event | None = None,
 ) -> Attachment:
     """Ask for slot ``index`` of the ring named ``name``; raises a clear error if refused.
 
     Nothing is sent before the serving process is known to run as this user (or as one of
     ``trusted_uids``): a ring served by another user could make this process unpickle
-    anything.
+    anything.  ``wait`` (see ``_reach``) waits for a ring that does not exist yet.
     """
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    sock = _reach(name, deadline, wait)
     fds: list[int] = []
     try:
-        sock.settimeout(_remaining(deadline))
-        try:
-            sock.connect(PREFIX + name)
-        except (FileNotFoundError, ConnectionRefusedError):
-            raise FileNotFoundError(
-                f"no aioshmq ring named {name!r} (its writer closed, or never existed)"
-            ) from None
         writer_pid, uid = peer_credentials(sock)
         me = os.getuid()
         if uid != me and uid not in trusted_uids:

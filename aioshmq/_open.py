@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from typing import Any
+
+import anyio
 
 from . import _reader, _writer, remote
 from ._handle import Handle
@@ -89,6 +92,7 @@ def connect(
     secret: bytes | None = None,
     insecure_loopback: bool = False,
     heartbeat: float = DEFAULT_HEARTBEAT,
+    wait: bool = False,
 ) -> Reader[Any]:
     """Attach to reader slot ``reader`` of a ring, by its handle or its name, or of a
     remote writer by its address (``"tcp://HOST:PORT"`` or ``"ipc://PATH"``).
@@ -100,7 +104,9 @@ def connect(
     The reader spins only while spinning catches messages (see ``_spin.Spin``).
     A ring served by a process of another user is refused (its messages could run code in
     this process) unless that user's uid is in ``trusted_uids``.  A connect that fails
-    leaves the slot exactly as it was.
+    leaves the slot exactly as it was.  ``wait=True`` waits, up to ``timeout``, for a ring
+    that does not exist yet (a writer still starting) instead of raising FileNotFoundError
+    at once; a remote connect always waits so (ZeroMQ connects in the background).
 
     A remote writer is reached with the ``secret`` it was created with (or
     ``insecure_loopback=True`` if it was); one not heard from for ``heartbeat`` seconds is
@@ -123,6 +129,8 @@ def connect(
         )
     if secret is not None or insecure_loopback:
         raise ValueError("secret= and insecure_loopback= are for remote addresses (tcp://, ipc://)")
+    if not isinstance(wait, bool):
+        raise TypeError(f"wait must be True or False, not {wait!r}")
     return _reader.connect(
         handle,
         reader,
@@ -130,4 +138,73 @@ def connect(
         timeout=timeout,
         spin=spin,
         trusted_uids=trusted_uids,
+        wait=wait,
     )
+
+
+async def aconnect(
+    handle: Handle | str,
+    reader: int = 0,
+    *,
+    serializer: SerializerSpec | None = None,
+    timeout: float | None = 10.0,
+    spin: float = DEFAULT_SPIN,
+    trusted_uids: Iterable[int] = (),
+    secret: bytes | None = None,
+    insecure_loopback: bool = False,
+    heartbeat: float = DEFAULT_HEARTBEAT,
+    wait: bool = False,
+) -> Reader[Any]:
+    """``connect`` for async code: the same arguments and result, without blocking the event
+    loop (the handshake runs in a worker thread).  Cancelled, it gives up at once: a ring
+    it was waiting for is no longer looked for, and a reader that attached meanwhile is
+    closed, its slot freed.
+    """
+    give_up = threading.Event()
+    done: list[Reader[Any]] = []
+    lock = threading.Lock()
+
+    def attach() -> Reader[Any]:
+        if isinstance(handle, str) and handle.startswith(REMOTE):
+            got = connect(
+                handle,
+                reader,
+                serializer=serializer,
+                timeout=timeout,
+                spin=spin,
+                trusted_uids=trusted_uids,
+                secret=secret,
+                insecure_loopback=insecure_loopback,
+                heartbeat=heartbeat,
+            )
+        else:
+            if secret is not None or insecure_loopback:
+                raise ValueError(
+                    "secret= and insecure_loopback= are for remote addresses (tcp://, ipc://)"
+                )
+            if not isinstance(wait, bool):
+                raise TypeError(f"wait must be True or False, not {wait!r}")
+            got = _reader.connect(
+                handle,
+                reader,
+                serializer=serializer,
+                timeout=timeout,
+                spin=spin,
+                trusted_uids=trusted_uids,
+                wait=give_up if wait else False,
+            )
+        with lock:
+            if give_up.is_set():  # nobody will take it
+                got.close()
+            else:
+                done.append(got)
+        return got
+
+    try:
+        return await anyio.to_thread.run_sync(attach, abandon_on_cancel=True)
+    except BaseException:
+        with lock:
+            give_up.set()
+            for late in done:
+                late.close()
+        raise

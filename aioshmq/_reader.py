@@ -6,6 +6,7 @@ import collections
 import os
 import select
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any, Generic, NamedTuple, TypeVar
@@ -58,6 +59,7 @@ def connect(
     timeout: float | None = 10.0,
     spin: float = DEFAULT_SPIN,
     trusted_uids: Iterable[int] = (),
+    wait: bool | threading.Event = False,
 ) -> Reader[Any]:
     """Attach to reader slot ``reader`` of a ring, by its handle or its name.
 
@@ -80,7 +82,10 @@ def connect(
     trusted = frozenset(trusted_uids)
     if any(isinstance(uid, bool) or not isinstance(uid, int) for uid in trusted):
         raise TypeError(f"trusted_uids must hold ints, not {sorted(map(repr, trusted))}")
-    return _connect(name, reader, serializer, timeout, float(spin), trusted)
+    if not isinstance(wait, bool | threading.Event):
+        raise TypeError(f"wait must be True or False, not {wait!r}")
+    stop = wait if isinstance(wait, threading.Event) else threading.Event() if wait else None
+    return _connect(name, reader, serializer, timeout, float(spin), trusted, wait=stop)
 
 
 def _connect(
@@ -91,10 +96,12 @@ def _connect(
     spin: float,
     trusted: frozenset[int] = frozenset(),
     peer: str = "",
+    wait: threading.Event | None = None,
 ) -> Reader[Any]:
-    """``connect`` after its checks; ``peer`` names the remote reader this one relays."""
+    """``connect`` after its checks; ``peer`` names the remote reader this one relays, and
+    ``wait`` waits for a ring not there yet (until the timeout, or until it is set)."""
     ser = resolve(serializer) if serializer is not None else None
-    att = request(name, reader, deadline_of(timeout), trusted, peer)
+    att = request(name, reader, deadline_of(timeout), trusted, peer, wait)
     try:
         if ser is None:
             if att.serializer == "custom":
