@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._errors import busy
+from ._log import log
 from ._notify import Notifier, NotifierKind
 from ._ring import DEAD, RingWriter
 
@@ -45,6 +46,10 @@ def check_name(name: object) -> str:
     if not name or len(name.encode()) > NAME_MAX or "/" in name or "\0" in name:
         raise ValueError(f"name={name!r}: need 1 to {NAME_MAX} bytes without '/' or NUL")
     return name
+
+
+def _who(conn: _Conn) -> str:
+    return f"pid {conn.pid}" + (f", relaying {conn.peer}" if conn.peer else "")
 
 
 def pidfd_of(pid: int) -> int:
@@ -170,6 +175,7 @@ class Broker:
         try:
             self._serve()
         except BaseException as exc:  # never silent: the writer raises on its next call
+            log.error("ring %r: the broker thread stopped: %r", self.name, exc, exc_info=exc)
             self.failure = exc
             try:
                 self.on_failure()
@@ -322,6 +328,7 @@ class Broker:
             conn.sock.send(ATTACHED)
         except OSError:
             pass  # the reader went away already: its end-of-file settles the slot
+        log.info("ring %r: reader %d attached (%s)", self.name, index, _who(conn))
         self.on_change()
 
     def _abort(self, sel: selectors.BaseSelector, conn: _Conn) -> None:
@@ -355,6 +362,18 @@ class Broker:
             conn.bye = data == BYE
         index = conn.index
         assert index is not None
+        if conn.bye:
+            log.info("ring %r: reader %d detached (%s)", self.name, index, _who(conn))
+        else:
+            log.warning(
+                "ring %r: reader %d (%s) died while attached; %s",
+                self.name,
+                index,
+                _who(conn),
+                "its slot is detached (on_reader_death='detach')"
+                if self.detach_dead
+                else "the writer raises PeerDied when it waits for it",
+            )
         if conn.bye or self.detach_dead:
             self.ring.detach(index)
         else:
@@ -378,6 +397,7 @@ class Broker:
                 self._drop(sel, conn)
 
     def _refuse(self, sel: selectors.BaseSelector, conn: _Conn, code: str, msg: str) -> None:
+        log.info("ring %r: refused an attach from pid %d: %s", self.name, conn.pid, msg)
         self._send_refusal(conn, code, msg)
         self._drop(sel, conn)
 

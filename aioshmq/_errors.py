@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import anyio
 
+from ._log import log
+
 __all__ = [
     "CorruptedError",
     "Empty",
@@ -35,6 +37,11 @@ class PeerDied(anyio.BrokenResourceError):
 
 class CorruptedError(RuntimeError):
     """The shared memory holds something no writer of this version could have written."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        # Logged where it is made, the compiled core's included: whoever catches it.
+        log.error("corruption: %s", self)
 
 
 class SerializationError(TypeError):

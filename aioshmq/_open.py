@@ -29,6 +29,7 @@ def create(
     name: str | None = None,
     on_reader_death: OnReaderDeath = "raise",
     linger: float = 0.0,
+    slow_reader_warning: float | None = 10.0,
     listen: str | None = None,
     secret: bytes | None = None,
     insecure_loopback: bool = False,
@@ -40,6 +41,9 @@ def create(
     the ring holds for its slowest reader.  ``readers`` is the number of reader slots.
     ``linger`` is how long (seconds) closing the writer waits for readers to attach to
     slots that never had one while messages wait for them (see ``Writer.close``).
+    ``slow_reader_warning``: a put that has waited this long (seconds) for room logs a
+    warning (logger ``"aioshmq"``) naming the slowest reader, its pid and how far behind it
+    is, and again each time as long again passes; None: never.
 
     With ``listen`` (``"tcp://HOST:PORT"``, port 0 for any, or ``"ipc://PATH"``) any slot
     may also be attached from another host: ``writer.address`` is the endpoint bound.
@@ -57,6 +61,7 @@ def create(
         name=name,
         on_reader_death=on_reader_death,
         linger=linger,
+        slow_reader_warning=slow_reader_warning,
     )
     if relay is not None:
         try:

@@ -22,6 +22,7 @@ from ._end import End, deadline_of, in_event_loop
 from ._errors import CorruptedError, Empty, PeerDied, busy
 from ._handle import Handle
 from ._layout import Layout
+from ._log import log
 from ._ring import RingReader, decode
 from ._segment import Segment
 from ._serialize import SerializerSpec, resolve
@@ -149,6 +150,7 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         self._name = name
         self._index = index
         self._ser = serializer
+        self._death_logged = False
         self._loads_plain = serializer.loads_plain
         self._sock: socket.socket = att.sock
         self._writer_wake = att.writer_wake
@@ -282,6 +284,15 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         if alive and self._pidfd >= 0:
             alive = not _readable(self._pidfd, 0)
         if not alive and not self._ring.available() and not self._ring.closed():
+            if not self._death_logged:
+                self._death_logged = True
+                log.warning(
+                    "ring %r: its writer (pid %d) died without closing it; reader %d read "
+                    "every message it published",
+                    self._name,
+                    self._writer_pid,
+                    self._index,
+                )
             raise PeerDied(
                 f"the writer (pid {self._writer_pid}) of ring {self._name!r} died without "
                 "closing it",

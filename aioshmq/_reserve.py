@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -88,8 +89,9 @@ class Reservation(Generic[V]):
             # this block ends, since the caller writes into it without asking.
             self._token = writer._hold(False)
             ring = writer._ring
+            since = time.monotonic()
             while not ring.try_write(self._frame):
-                await writer._wait_room()
+                await writer._wait_room(since)
             return self._take()
         except BaseException:
             try:
@@ -123,8 +125,9 @@ class Reservation(Generic[V]):
         self._token = writer._hold(False)
         try:
             ring = writer._ring
+            since = time.monotonic()
             while not ring.try_write(self._frame):
-                writer._wait_room_sync(deadline)
+                writer._wait_room_sync(deadline, since)
             # Until the block ends, any other put stops at its first check (busy).
             writer._reserving = writer._halt = True
             return self._take()

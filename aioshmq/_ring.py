@@ -408,6 +408,21 @@ class RingWriter(WriterCore):
         self.publish()
         return done
 
+    def lags(self) -> list[tuple[int, int, int, int, int]]:
+        """(slot, state, pid, messages, bytes) for each reader the writer waits for: how far
+        behind the head it is, the furthest behind first.  For logs and views, not puts."""
+        w, layout = self.w, self.layout
+        found = []
+        with self.gate.lock:
+            for i, state in enumerate(self.gate.states):
+                if state != DETACHED:
+                    pid = w[layout.reader_word(i, L.R_PID)]
+                    behind = self.head_count - min(w[self.r_count[i]], self.head_count)
+                    gap = self.head - min(w[self.r_tail[i]], self.head)
+                    found.append((i, state, pid, behind, gap))
+        found.sort(key=lambda lag: (-lag[4], -lag[3], lag[0]))
+        return found
+
     def backlog(self) -> tuple[int, int]:
         """Messages and bytes published but not yet read by the slowest counted reader."""
         lo_pos, lo_count = self.refresh_limits()

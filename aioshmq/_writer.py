@@ -22,6 +22,7 @@ from ._end import End, deadline_of, in_event_loop
 from ._errors import Full, PeerDied, UndeliveredWarning, busy
 from ._handle import Handle
 from ._layout import Layout
+from ._log import log
 from ._notify import Notifier, NotifierKind, default_kind
 from ._reserve import Reservation
 from ._ring import ATTACHED, DEAD, PENDING, Frame, Gate, RingWriter
@@ -65,6 +66,7 @@ def create(
     name: str | None = None,
     on_reader_death: OnReaderDeath = "raise",
     linger: float = 0.0,
+    slow_reader_warning: float | None = 10.0,
 ) -> Writer[Any]:
     """Create a ring and return its writer, which owns it.
 
@@ -72,6 +74,8 @@ def create(
     the ring holds for its slowest reader.  ``readers`` is the number of reader slots.
     ``linger`` is how long (seconds) closing the writer waits for readers to attach to
     slots that never had one while messages wait for them (see ``Writer.close``).
+    ``slow_reader_warning``: a put that has waited this long (seconds) for room logs a
+    warning naming the slowest reader, and again each time as long again passes; None: never.
     """
     capacity = _positive_int("capacity", capacity, L.MIN_CAPACITY)
     if capacity > L.MAX_CAPACITY:
@@ -83,13 +87,15 @@ def create(
     if on_reader_death not in ("raise", "detach"):
         raise ValueError(f"on_reader_death must be 'raise' or 'detach', not {on_reader_death!r}")
     linger = _linger(linger)
+    if slow_reader_warning is not None:
+        slow_reader_warning = _seconds("slow_reader_warning", slow_reader_warning)
     ser = resolve(serializer)
     kind = default_kind() if notifier is None else notifier
     if kind not in ("eventfd", "pipe"):
         raise ValueError(f"notifier must be 'eventfd' or 'pipe', not {notifier!r}")
     name = check_name(name) if name is not None else f"{os.getpid()}-{secrets.token_hex(8)}"
     layout = Layout(L.align(capacity, 64), max_messages, readers)
-    return Writer(layout, ser, kind, name, on_reader_death, linger)
+    return Writer(layout, ser, kind, name, on_reader_death, linger, slow_reader_warning)
 
 
 def _same(view: memoryview) -> memoryview:
@@ -107,6 +113,12 @@ def _weakly(method: Callable[[], None]) -> Callable[[], None]:
             bound()
 
     return call
+
+
+def _seconds(what: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ValueError(f"{what} must be a number of seconds > 0 (or None), not {value!r}")
+    return float(value)
 
 
 def _linger(value: object) -> float:
@@ -128,8 +140,10 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         name: str,
         on_reader_death: OnReaderDeath,
         linger: float = 0.0,
+        slow_reader_warning: float | None = None,
     ) -> None:
         super().__init__()
+        self._slow_warning = slow_reader_warning
         self._closed = True  # until everything below exists
         self._halt = True  # closed, or its broker stopped: the hot paths check this alone
         self._reserving = False  # a sync reservation's block is open (see _reserve)
@@ -289,7 +303,35 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
                     index=i,
                 )
 
-    async def _wait_room(self) -> None:
+    def _warn_at(self, since: float | None) -> float | None:
+        """When the wait that began at ``since`` next deserves a slow-reader warning."""
+        every = self._slow_warning
+        if every is None or since is None:
+            return None
+        return since + every * ((time.monotonic() - since) // every + 1)
+
+    def _warn_slow(self, since: float) -> None:
+        lags = self._ring.lags()
+        if not lags:
+            return
+        slot, state, pid, behind, gap = lags[0]
+        who = {PENDING: "never attached", DEAD: f"pid {pid}, dead"}.get(state, f"pid {pid}")
+        same = sum(1 for lag in lags[1:] if lag[4] == gap and lag[3] == behind)
+        log.warning(
+            "ring %r: a put has waited %.1f s for room; the slowest reader is slot %d (%s), "
+            "%d messages and %d bytes behind%s",
+            self._name,
+            time.monotonic() - since,
+            slot,
+            who,
+            behind,
+            gap,
+            f" (and {same} more as far behind)" if same else "",
+        )
+
+    async def _wait_room(self, since: float | None = None) -> None:
+        """Sleep until readers free room; ``since``: when the put began to wait (for the
+        slow-reader warning)."""
         self._check_readers()
         need, messages = self._ring.need
         token = self._hold(True)
@@ -299,7 +341,14 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
                 self._check()
             if self._ring.prepare_sleep(need, messages):
                 try:
-                    await self._sleep()
+                    warn_at = self._warn_at(since)
+                    if warn_at is None:
+                        await self._sleep()
+                    else:
+                        with anyio.move_on_after(warn_at - time.monotonic()) as slow:
+                            await self._sleep()
+                        if slow.cancelled_caught and since is not None:
+                            self._warn_slow(since)
                 finally:
                     if not self._closed:  # closed meanwhile: never touch the ring again
                         self._ring.end_sleep()
@@ -307,7 +356,7 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
             self._unhold(token)
         self._check()
 
-    def _wait_room_sync(self, deadline: float | None) -> None:
+    def _wait_room_sync(self, deadline: float | None, since: float | None = None) -> None:
         self._check_readers()
         need, messages = self._ring.need
         token = self._hold(False)
@@ -317,7 +366,15 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
                 self._check()
             if self._ring.prepare_sleep(need, messages):
                 try:
-                    self._sleep_sync(deadline)
+                    warn_at = self._warn_at(since)
+                    if warn_at is None or (deadline is not None and deadline <= warn_at):
+                        self._sleep_sync(deadline)
+                    else:
+                        try:
+                            self._sleep_sync(warn_at)
+                        except TimeoutError:
+                            if since is not None:
+                                self._warn_slow(since)
                 finally:
                     self._ring.end_sleep()
         finally:
@@ -329,9 +386,11 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         async with self._lock:
             self._check()
             steps = self._steps(frames, self._atomic(frames))
+            since: float | None = None
             try:
                 for _ in steps:
-                    await self._wait_room()
+                    since = since or time.monotonic()
+                    await self._wait_room(since)
             finally:
                 steps.close()
 
@@ -536,9 +595,11 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
             frame = self._frame(obj)
         deadline = deadline_of(timeout)
         steps = self._steps([frame], self._atomic([frame]))
+        since: float | None = None
         try:
             for _ in steps:
-                self._wait_room_sync(deadline)
+                since = since or time.monotonic()
+                self._wait_room_sync(deadline, since)
         except ValueError:
             if self._closed:  # closed by another thread while this one wrote the ring
                 raise self._closed_error() from None
@@ -577,6 +638,7 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
             last = self._layout.readers - 1
             raise ValueError(f"index={index} is out of range: this ring has readers 0..{last}")
         self._ring.drop(index)
+        log.info("ring %r: reader slot %d dropped", self._name, index)
         self._wake.signal()
 
     def _all_attached(self) -> bool:
