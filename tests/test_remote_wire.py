@@ -135,9 +135,10 @@ def test_a_hostile_peer_with_the_secret_cannot_break_the_writer() -> None:
                     w.put_sync(i, timeout=20)
                     put += 1
             w.drop_reader(1)
-            sock.close()
         finally:
-            ctx.term()
+            # Closed here, not in the block: a failure above would otherwise leave term()
+            # waiting for the socket, and the timeout would hide the failure's own error.
+            ctx.destroy(linger=0)
         with aioshmq.connect(w.address, reader=0, secret=SECRET) as r:
             w.put_sync("still serving")  # slot 0 never had a reader: it kept everything
             got = [r.get_sync(timeout=20) for _ in range(put + 1)]
