@@ -332,13 +332,15 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
     async def _wait_room(self, since: float | None = None) -> None:
         """Sleep until readers free room; ``since``: when the put began to wait (for the
         slow-reader warning)."""
-        self._check_readers()
         need, messages = self._ring.need
         token = self._hold(True)
         try:
             self._drain()  # before announcing the sleep: no wake-up left over from before
             if self._closed:  # its close wake-up was just drained: never sleep now
                 self._check()
+            # After the drain: a death the broker signalled before it is seen here, and one
+            # after it wakes the sleep below.
+            self._check_readers()
             if self._ring.prepare_sleep(need, messages):
                 try:
                     warn_at = self._warn_at(since)
@@ -357,13 +359,13 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         self._check()
 
     def _wait_room_sync(self, deadline: float | None, since: float | None = None) -> None:
-        self._check_readers()
         need, messages = self._ring.need
         token = self._hold(False)
         try:
             self._wake.drain()
             if self._closed:  # its close wake-up was just drained: never sleep now
                 self._check()
+            self._check_readers()  # after the drain, as in _wait_room
             if self._ring.prepare_sleep(need, messages):
                 try:
                     warn_at = self._warn_at(since)

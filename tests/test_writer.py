@@ -382,3 +382,51 @@ def test_linger_that_runs_out_warns() -> None:
     assert time.monotonic() - start >= 0.2
     with pytest.raises(ValueError, match="linger"):
         aioshmq.create(linger=-1)
+
+
+def _attach_and_hold(name: str, ready: Any) -> None:
+    with aioshmq.connect(name):
+        ready.send("attached")
+        ready.recv()  # killed while waiting here
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("method", ["spawn"])
+def test_a_death_signalled_just_before_the_writer_sleeps_is_seen(
+    method: str, children: Children, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The broker marks a dead reader and signals the writer; a signal that lands between
+    the writer's last look at the readers and its drain of the wake fd must not be lost
+    (the put would then sleep until its timeout instead of raising PeerDied)."""
+    import multiprocessing
+    import select
+
+    from aioshmq._notify import Notifier
+    from aioshmq._ring import DEAD
+
+    ours, theirs = multiprocessing.get_context(method).Pipe()
+    # No slow-reader warning: its timer would wake the sleep and hide a lost signal.
+    with aioshmq.create(capacity=1 << 16, max_messages=1, slow_reader_warning=None) as w:
+        proc = children.start(method, _attach_and_hold, w.name, theirs)
+        assert ours.poll(30) and ours.recv() == "attached"
+        w.put_sync("fills the ring")
+        drain = Notifier.drain
+        raced: list[bool] = []
+
+        def drain_after_a_death(self: Notifier) -> None:
+            if self is w._wake and not raced:
+                raced.append(True)
+                drain(self)  # whatever was pending, so that what comes next is the death's
+                proc.kill()  # the broker sees it and signals this very fd: wait for that
+                assert select.select([self.read_fd], [], [], 30)[0]
+                assert w._gate.states[0] == DEAD
+            drain(self)
+
+        monkeypatch.setattr(Notifier, "drain", drain_after_a_death)
+        with pytest.raises(aioshmq.PeerDied, match="reader 0"):
+            w.put_sync("waits for the dead reader", timeout=10)
+        assert raced
+        monkeypatch.undo()
+        w.drop_reader(0)
+    ours.close()
+    theirs.close()
