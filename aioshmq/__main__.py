@@ -1,4 +1,4 @@
-"""Command line: ``python -m aioshmq bench`` measures aioshmq against its peers."""
+"""Command line: ``python -m aioshmq bench``, ``mirror``, ``ls`` and ``stat``."""
 
 from __future__ import annotations
 
@@ -43,7 +43,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .remote._command import add_parser as add_mirror
 
     add_mirror(commands)
+    from ._stat import add_parser as add_stat
+
+    add_stat(commands)
     args = parser.parse_args(argv)
+    if args.command in ("ls", "stat"):
+        return int(args.run(args))
     if args.command == "mirror":
         from .remote._command import run as run_mirror
 

@@ -24,12 +24,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import _ring
 from ._errors import busy
 from ._log import log
 from ._notify import Notifier, NotifierKind
 from ._ring import DEAD, RingWriter
 
 PREFIX = "\0aioshmq/"
+OBSERVE = b'{"observe": true}'  # a live view's request: no slot, the memory read-only
 NAME_MAX = 100
 BYE = b"bye"  # reader -> broker: a clean departure; broker -> reader: acknowledged
 ATTACH = b"attach"  # reader -> broker: mapped and ready, hand me the slot
@@ -271,6 +273,9 @@ class Broker:
                     f"user uid {conn.uid} may not attach to ring {self.name!r}: it belongs to "
                     f"uid {self._uid}, and only the same user or root may attach",
                 )
+            if data == OBSERVE:
+                self._observe(sel, conn)
+                return
             index, conn.peer = _parse_request(data, self.ring.layout.readers)
             holder = next((c for c in self._conns if c.index == index), None)
             if holder is not None and self._settle_queued(sel, holder):
@@ -294,6 +299,28 @@ class Broker:
             socket.send_fds(conn.sock, [json.dumps(reply).encode()], fds)
         except OSError:
             self._drop(sel, conn)  # the reader went away already
+
+    def _observe(self, sel: selectors.BaseSelector, conn: _Conn) -> None:
+        """A live view (``python -m aioshmq stat``): the ring's memory, to map read-only, and
+        what only this process knows of its slots; no slot changes hands."""
+        holders = {c.index: c for c in self._conns if c.attached}
+        letters = {_ring.PENDING: "p", _ring.ATTACHED: "a", _ring.DETACHED: "d", DEAD: "x"}
+        with self.ring.gate.lock:
+            states = "".join(letters.get(state, "?") for state in self.ring.gate.states)
+        pids, peers = [], {}
+        for index in range(len(states)):
+            holder = holders.get(index)
+            pids.append(holder.pid if holder else self._dead_pids.get(index, 0))
+            peer = holder.peer if holder else self._dead_peers.get(index, "")
+            if peer:
+                peers[str(index)] = peer
+        slots = {"states": states, "pids": pids, "peers": peers}
+        reply = {"ok": True, "serializer": self.serializer, "slots": slots}
+        try:
+            socket.send_fds(conn.sock, [json.dumps(reply).encode()], [self.segment_fd])
+        except OSError:
+            pass
+        self._drop(sel, conn)
 
     def _settle_queued(self, sel: selectors.BaseSelector, holder: _Conn) -> bool:
         """Handle what ``holder`` has already sent (a bye, an abort, its end-of-file) before

@@ -1,0 +1,125 @@
+"""The live view: `python -m aioshmq ls` and `stat` show a ring without disturbing it."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+
+import anyio
+import pytest
+
+import aioshmq
+from aioshmq._stat import format_view, observe, ring_names
+
+pytestmark = pytest.mark.anyio
+
+
+def _name() -> str:
+    return f"test-stat-{secrets.token_hex(6)}"
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "aioshmq", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+async def test_a_snapshot_of_a_live_ring() -> None:
+    with aioshmq.create(capacity=1 << 16, max_messages=4, readers=3, name=_name()) as w:
+        w.drop_reader(2)
+        with aioshmq.connect(w.name, 1, spin=0) as r:
+            for _ in range(4):
+                await w.put(bytes(100))
+            assert len(await r.get()) == 100
+            view = observe(w.name)
+            assert (view.name, view.writer_pid, view.state) == (w.name, os.getpid(), "open")
+            assert (view.capacity, view.max_messages, view.serializer) == (65536, 4, "pickle")
+            assert view.messages_put == 4 and view.messages_in_ring == 4
+            assert not view.writer_asleep
+            states = [(s.index, s.state, s.messages_behind) for s in view.slots]
+            assert states == [(0, "pending", 4), (1, "attached", 3), (2, "detached", 4)]
+            assert view.slots[1].pid == os.getpid()
+            assert view.slots[1].bytes_behind * 4 == view.slots[0].bytes_behind * 3
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(w.put, "one too many")  # the ring is full for slot 0
+                await anyio.wait_all_tasks_blocked()
+                assert observe(w.name).writer_asleep
+                w.drop_reader(0)
+            assert [await r.get() for _ in range(4)][-1] == "one too many"
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(r.get)
+                await anyio.wait_all_tasks_blocked()  # asleep: spin=0
+                view = observe(w.name)
+                assert view.slots[1].asleep and view.messages_in_ring == 0
+                await w.put("wakes it")
+            assert w.statistics().readers_attached == 1  # observing took no slot
+
+
+async def test_observing_takes_no_slot_and_leaves_no_trace() -> None:
+    with aioshmq.create(capacity=1 << 16, name=_name()) as w:
+        for _ in range(3):
+            observe(w.name)
+        with aioshmq.connect(w.name, 0) as r:  # the only slot is still free
+            await w.put("x")
+            assert await r.get() == "x"
+
+
+def test_a_dead_reader_and_a_missing_ring() -> None:
+    with pytest.raises(FileNotFoundError):
+        observe(_name())
+    w = aioshmq.create(capacity=1 << 16)
+    name = w.name
+    w.close()
+    with pytest.raises(FileNotFoundError):
+        observe(name)
+
+
+def test_ls_and_stat_commands() -> None:
+    with aioshmq.create(capacity=1 << 20, readers=2, name=_name()) as w:
+        w.drop_reader(0)
+        w.drop_reader(1)
+        w.put_sync({"a": 1})
+        ls = _cli("ls")
+        assert ls.returncode == 0, ls.stderr
+        (line,) = [line for line in ls.stdout.splitlines() if line.startswith(w.name)]
+        assert line.split()[1:4] == [str(os.getpid()), "open", "0/2"]
+        listed = [json.loads(line) for line in _cli("ls", "--json").stdout.splitlines()]
+        assert any(v["name"] == w.name and len(v["slots"]) == 2 for v in listed)
+
+        stat = _cli("stat", w.name)
+        assert stat.returncode == 0, stat.stderr
+        assert stat.stdout == format_view(observe(w.name)) + "\n"
+        assert f"ring {w.name}  writer pid {os.getpid()}  open" in stat.stdout
+
+        watched = _cli("stat", w.name, "--json", "--watch", "0.01", "--count", "3")
+        views = [json.loads(line) for line in watched.stdout.splitlines()]
+        assert len(views) == 3 and all(v["messages_put"] == 1 for v in views)
+
+    gone = _cli("stat", w.name)
+    assert gone.returncode == 1 and "no aioshmq ring named" in gone.stderr
+
+
+def test_ring_names_come_from_listening_sockets(tmp_path: Path) -> None:
+    table = tmp_path / "unix"
+    table.write_text(
+        "Num       RefCount Protocol Flags    Type St Inode Path\n"
+        "0000: 00000002 00000000 00010000 0005 01 1 @aioshmq/ring-a\n"
+        "0000: 00000003 00000000 00000000 0005 03 2 @aioshmq/ring-a\n"  # an accepted one
+        "0000: 00000002 00000000 00010000 0001 01 3 @other/thing\n"
+        "0000: 00000002 00000000 00010000 0005 01 4 @aioshmq/ring-b\n"
+        "0000: 00000002 00000000 00000000 0002 07 5\n"
+    )
+    assert ring_names(str(table)) == ["ring-a", "ring-b"]
+
+
+def test_this_process_rings_are_listed() -> None:
+    with aioshmq.create(capacity=1 << 16, name=_name()) as w:
+        w.drop_reader(0)
+        assert w.name in ring_names()
+    assert w.name not in ring_names()
