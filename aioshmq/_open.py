@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Iterable
 from typing import Any
+
+if sys.version_info >= (3, 13):
+    from typing import TypeVar
+else:
+    from typing_extensions import TypeVar
 
 import anyio
 
@@ -17,6 +23,9 @@ from ._writer import OnReaderDeath, Writer
 
 REMOTE = ("tcp://", "ipc://")
 DEFAULT_HEARTBEAT = 3.0
+
+# What the ends carry, when the caller names it (message_type=); Any when not.
+M = TypeVar("M", default=Any)
 
 
 def create(
@@ -34,9 +43,12 @@ def create(
     secret: bytes | None = None,
     insecure_loopback: bool = False,
     heartbeat: float = DEFAULT_HEARTBEAT,
-) -> Writer[Any]:
+    message_type: type[M] | None = None,
+) -> Writer[M]:
     """Create a ring and return its writer, which owns it.
 
+    ``message_type`` only types the writer for a type checker (``Writer[Job]``: a ``put`` of
+    anything else is a type error); nothing is checked at run time.
     ``capacity`` (bytes, rounded up to a multiple of 64) and ``max_messages`` both bound what
     the ring holds for its slowest reader.  ``readers`` is the number of reader slots.
     ``linger`` is how long (seconds) closing the writer waits for readers to attach to
@@ -98,7 +110,8 @@ def connect(
     insecure_loopback: bool = False,
     heartbeat: float = DEFAULT_HEARTBEAT,
     wait: bool = False,
-) -> Reader[Any]:
+    message_type: type[M] | None = None,
+) -> Reader[M]:
     """Attach to reader slot ``reader`` of a ring, by its handle or its name, or of a
     remote writer by its address (``"tcp://HOST:PORT"`` or ``"ipc://PATH"``).
 
@@ -112,6 +125,8 @@ def connect(
     leaves the slot exactly as it was.  ``wait=True`` waits, up to ``timeout``, for a ring
     that does not exist yet (a writer still starting) instead of raising FileNotFoundError
     at once; a remote connect always waits so (ZeroMQ connects in the background).
+    ``message_type`` only types the reader for a type checker (``Reader[Job]``: ``get()``
+    returns a ``Job``); nothing is checked at run time.
 
     A remote writer is reached with the ``secret`` it was created with (or
     ``insecure_loopback=True`` if it was); one not heard from for ``heartbeat`` seconds is
@@ -159,7 +174,8 @@ async def aconnect(
     insecure_loopback: bool = False,
     heartbeat: float = DEFAULT_HEARTBEAT,
     wait: bool = False,
-) -> Reader[Any]:
+    message_type: type[M] | None = None,
+) -> Reader[M]:
     """``connect`` for async code: the same arguments and result, without blocking the event
     loop (the handshake runs in a worker thread).  Cancelled, it gives up at once: a ring
     it was waiting for is no longer looked for, and a reader that attached meanwhile is
@@ -169,7 +185,7 @@ async def aconnect(
     done: list[Reader[Any]] = []
     lock = threading.Lock()
 
-    def attach() -> Reader[Any]:
+    def attach() -> Reader[M]:
         if isinstance(handle, str) and handle.startswith(REMOTE):
             got = connect(
                 handle,
