@@ -40,8 +40,10 @@ class CorruptedError(RuntimeError):
 
     def __init__(self, *args: object) -> None:
         super().__init__(*args)
-        # Logged where it is made, the compiled core's included: whoever catches it.
-        log.error("corruption: %s", self)
+        # Logged where it is made, the compiled core's included: whoever catches it.  As
+        # text: a record holding the exception would keep its traceback's frames (and the
+        # ring memory they view) alive for as long as a handler keeps the record.
+        log.error("corruption: %s", str(self))
 
 
 class SerializationError(TypeError):
