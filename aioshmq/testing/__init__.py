@@ -1,0 +1,240 @@
+"""pytest fixtures for code that uses aioshmq: rings, worker processes, rpc clients, leak checks.
+
+Loaded by pytest through the ``pytest11`` entry point wherever aioshmq is installed (or with
+``-p aioshmq.testing``); nothing changes for a test that asks for none of it.  The fixtures
+are sync, so they serve every async runner alike (pytest-asyncio in any mode and loop scope,
+anyio's plugin on asyncio, uvloop and trio), and ring names are unique per pytest-xdist
+worker.  The leak check is opt-in: ``--aioshmq-leaks``, the ``aioshmq_leaks`` ini option, or
+the ``aioshmq_leaks`` marker.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import multiprocessing
+import os
+import secrets
+import warnings
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import anyio
+import pytest
+
+import aioshmq
+from aioshmq import rpc
+
+__all__ = ["Processes", "Rings", "ring_memory", "rpc_client", "unique_name"]
+
+JOIN_TIMEOUT = 60.0  # seconds a worker process gets to exit before it is killed
+
+
+def unique_name(prefix: str = "test") -> str:
+    """A ring name no other process, test or pytest-xdist worker on this machine will use."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    return f"{prefix}-{worker}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+class Processes:
+    """Child processes that are always reaped: joined with a timeout, killed if they hang,
+    even when the test fails."""
+
+    def __init__(self) -> None:
+        self.procs: list[BaseProcess] = []
+
+    def start(self, target: Callable[..., Any], *args: Any, method: str = "spawn") -> BaseProcess:
+        """Start ``target(*args)`` with the start method named (from a coroutine, through
+        ``anyio.to_thread.run_sync``, so that a forked child does not inherit a running loop)."""
+        context: Any = multiprocessing.get_context(method)
+        proc: BaseProcess = context.Process(target=target, args=args, daemon=True)
+        proc.start()
+        self.procs.append(proc)
+        return proc
+
+    def join(self, timeout: float = JOIN_TIMEOUT) -> list[int | None]:
+        """Wait for every child; kill and fail on one still running after ``timeout``."""
+        codes = []
+        for proc in self.procs:
+            proc.join(timeout)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+                raise AssertionError(f"child {proc.pid} still running after {timeout} s")
+            codes.append(proc.exitcode)
+        return codes
+
+    def kill_all(self) -> None:
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(5)
+            proc.close()
+        self.procs.clear()
+
+
+class Rings:
+    """Rings made for one test, every end closed at its end: ``writer, readers =
+    aioshmq_ring(readers=2)``."""
+
+    def __init__(self, prefix: str) -> None:
+        self._prefix = prefix
+        self._ends: list[aioshmq.Writer[Any] | aioshmq.Reader[Any]] = []
+
+    def __call__(
+        self, readers: int = 1, *, capacity: int = 1 << 20, connect: bool = True, **create: Any
+    ) -> tuple[aioshmq.Writer[Any], list[aioshmq.Reader[Any]]]:
+        """A writer with ``readers`` slots (``create``'s other arguments pass through) and,
+        with ``connect``, a reader attached to each slot."""
+        create.setdefault("name", unique_name(self._prefix))
+        writer = aioshmq.create(capacity, readers=readers, **create)
+        self._ends.append(writer)
+        attached = []
+        if connect:
+            for index in range(readers):
+                reader = aioshmq.connect(writer.name, index)
+                self._ends.append(reader)
+                attached.append(reader)
+        return writer, attached
+
+    def close(self) -> None:
+        for end in reversed(self._ends):
+            end.close()
+        self._ends.clear()
+
+
+def _serve(handle: rpc.RpcHandle, rank: int, make: Callable[[int], object]) -> None:
+    rpc.serve_sync(handle, rank, make(rank))
+
+
+@asynccontextmanager
+async def rpc_client(
+    make: Callable[[int], object], workers: int = 2, *, method: str = "spawn", **client: Any
+) -> AsyncIterator[rpc.Client]:
+    """An ``rpc.Client`` with ``workers`` worker processes started with ``method``, each
+    serving ``make(rank)`` (``make`` must be importable for "spawn" and "forkserver"), all
+    attached when it is handed out; the workers are reaped when the block ends, however it
+    ends.  Fit for a session-scoped async fixture: it may be left from another task."""
+    procs = Processes()
+    try:
+        async with rpc.Client(workers, **client) as c:
+            for rank in range(workers):
+                start = functools.partial(procs.start, _serve, c.handle, rank, make, method=method)
+                await anyio.to_thread.run_sync(start)
+            with anyio.move_on_after(JOIN_TIMEOUT) as waited:
+                await c.wait_workers()
+            if waited.cancelled_caught:
+                codes = [p.exitcode for p in procs.procs]
+                raise TimeoutError(
+                    f"the rpc workers did not all attach within {JOIN_TIMEOUT} s (their exit "
+                    f"codes so far: {codes}; a worker's error is on its stderr)"
+                )
+            yield c
+        await anyio.to_thread.run_sync(procs.join)
+    finally:
+        procs.kill_all()
+
+
+# -- the plugin ------------------------------------------------------------------------------
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("aioshmq")
+    group.addoption(
+        "--aioshmq-leaks",
+        action="store_true",
+        help="fail a test that leaves an aioshmq end open or ring memory mapped",
+    )
+    parser.addini("aioshmq_leaks", "the same as --aioshmq-leaks, for every test", type="bool")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "aioshmq_leaks: fail this test if it leaves an aioshmq end open or ring memory"
+    )
+
+
+@pytest.fixture
+def aioshmq_name() -> str:
+    """A ring name unique to this test (and this pytest-xdist worker)."""
+    return unique_name()
+
+
+@pytest.fixture
+def aioshmq_ring(request: pytest.FixtureRequest) -> Iterator[Rings]:
+    """Make rings for this test: ``writer, readers = aioshmq_ring(readers=2)``; closed after."""
+    rings = Rings(f"test-{request.node.name[:40]}".replace("[", "-").replace("]", ""))
+    try:
+        yield rings
+    finally:
+        rings.close()
+
+
+@pytest.fixture
+def aioshmq_processes() -> Iterator[Processes]:
+    """Start child processes under a named start method; reaped after the test, pass or fail."""
+    procs = Processes()
+    try:
+        yield procs
+    finally:
+        procs.kill_all()
+
+
+def ring_memory() -> set[str]:
+    """The ring memory this process holds: memfd descriptors and mappings."""
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if "memfd:aioshmq" in target:
+            found.add(f"fd {fd} -> {target}")
+    with open("/proc/self/maps") as maps:
+        found.update(line.strip() for line in maps if "memfd:aioshmq" in line)
+    return found
+
+
+def _open_ends() -> set[int]:
+    from aioshmq import _end
+
+    return {id(end) for end in _end._live if not end._closed}
+
+
+@pytest.fixture(autouse=True)
+def _aioshmq_leak_check(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The opt-in leak check: ends opened and ring memory mapped during this test (before it
+    are not its own: a session's rings, the loop's fds) must be gone after it, and aioshmq's
+    ResourceWarnings (an end collected unclosed) are failures."""
+    config = request.config
+    wanted = (
+        config.getoption("aioshmq_leaks")
+        or config.getini("aioshmq_leaks")
+        or request.node.get_closest_marker("aioshmq_leaks") is not None
+    )
+    if not wanted:
+        yield
+        return
+    ends, memory = _open_ends(), ring_memory()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        yield
+        if _open_ends() - ends or ring_memory() - memory:
+            gc.collect()  # what is only unreferenced goes now (and warns, if unclosed)
+    from aioshmq import _end
+
+    left = [end for end in _end._live if not end._closed and id(end) not in ends]
+    mapped = sorted(ring_memory() - memory)
+    unclosed = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+    unclosed = [text for text in unclosed if "aioshmq" in text]
+    problems = []
+    if left:
+        problems.append(f"aioshmq ends left open: {left}")
+    if mapped:
+        problems.append(f"ring memory still held: {mapped}")
+    if unclosed:
+        problems.append(f"aioshmq ends collected unclosed: {unclosed}")
+    if problems:
+        pytest.fail("; ".join(problems), pytrace=False)

@@ -1,0 +1,174 @@
+"""The pytest plugin: user-like suites run by pytester under pytest-asyncio, anyio and xdist."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+WORKERS = '''
+class Model:
+    """What a user's worker processes serve."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def forward(self, xs: list[int]) -> int:
+        return self.rank + sum(xs)
+'''
+
+INI = """
+[pytest]
+asyncio_default_fixture_loop_scope = function
+filterwarnings = error
+timeout = 120
+"""
+
+
+def _run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    return pytester.runpytest_subprocess("-p", "no:cacheprovider", *args, timeout=240)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["strict", pytest.param("auto", marks=pytest.mark.slow)])
+def test_a_pytest_asyncio_suite_with_a_session_client_and_xdist(
+    pytester: pytest.Pytester, mode: str
+) -> None:
+    """The issue's user: a session-scoped loop, an rpc client with spawned workers held by a
+    session fixture (set up in one task, torn down in another), ring fixtures, ``-n 2``."""
+    pytester.makeini(INI + f"asyncio_mode = {mode}\n")
+    pytester.makepyfile(workers=WORKERS)
+    pytester.makeconftest(
+        """
+        import pytest_asyncio
+
+        from aioshmq.testing import rpc_client
+        from workers import Model
+
+
+        @pytest_asyncio.fixture(scope="session", loop_scope="session")
+        async def client():
+            async with rpc_client(Model, workers=2, method="spawn") as c:
+                yield c
+        """
+    )
+    pytester.makepyfile(
+        test_calls=textwrap.dedent(
+            """
+            import pytest
+
+            pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+
+            @pytest.mark.parametrize("n", range(6))
+            async def test_forward(client, n):
+                assert await client.call("forward", [n, 1]) == [n + 1, n + 2]
+
+
+            @pytest.mark.parametrize("k", range(4))
+            async def test_rings_never_collide(aioshmq_ring, aioshmq_name, k):
+                writer, (a, b) = aioshmq_ring(readers=2, name=aioshmq_name)
+                await writer.put({"k": k})
+                assert await a.get() == await b.get() == {"k": k}
+            """
+        )
+    )
+    result = _run(pytester, "-n", "2", "--aioshmq-leaks")
+    result.assert_outcomes(passed=10)
+
+
+def test_anyio_backends_and_the_process_reaper(pytester: pytest.Pytester) -> None:
+    pytester.makeini(INI)
+    pytester.makepyfile(workers=WORKERS)
+    pytester.makepyfile(
+        test_anyio=textwrap.dedent(
+            """
+            import functools
+
+            import anyio
+            import pytest
+
+            import aioshmq
+
+            pytestmark = pytest.mark.anyio
+
+
+            @pytest.fixture(params=["asyncio", "trio"])
+            def anyio_backend(request):
+                return request.param
+
+
+            def child(name):
+                with aioshmq.connect(name, wait=True) as r:
+                    assert r.get_sync(timeout=30) == "hello"
+
+
+            async def test_a_child_reads(aioshmq_ring, aioshmq_processes):
+                writer, _ = aioshmq_ring(connect=False)
+                start = functools.partial(
+                    aioshmq_processes.start, child, writer.name, method="forkserver"
+                )
+                await anyio.to_thread.run_sync(start)
+                await writer.wait_readers()
+                await writer.put("hello")
+                assert await anyio.to_thread.run_sync(aioshmq_processes.join) == [0]
+
+
+            async def test_a_failing_test_still_reaps(aioshmq_processes):
+                import time
+
+                proc = aioshmq_processes.start(time.sleep, 600, method="spawn")
+                assert proc.is_alive()
+                raise AssertionError("failed on purpose")
+            """
+        )
+    )
+    result = _run(pytester, "-v")
+    result.assert_outcomes(passed=2, failed=2)
+    result.stdout.fnmatch_lines(["*failed on purpose*"])
+    assert result.duration < 120  # the sleeping children were killed, not waited for
+
+
+def test_the_leak_check_is_opt_in_and_names_the_leak(pytester: pytest.Pytester) -> None:
+    pytester.makeini(INI)
+    pytester.makepyfile(
+        test_leaky=textwrap.dedent(
+            """
+            import pytest
+
+            import aioshmq
+
+            kept = []
+
+
+            def test_leaves_a_writer_open():
+                kept.append(aioshmq.create(capacity=1 << 16))
+
+
+            def test_closes_what_it_opens():
+                with aioshmq.create(capacity=1 << 16) as w:
+                    w.drop_reader(0)
+
+
+            @pytest.mark.aioshmq_leaks
+            def test_marked_and_leaky():
+                kept.append(aioshmq.create(capacity=1 << 16))
+
+
+            def test_cleanup():
+                for w in kept:
+                    w.close()
+            """
+        )
+    )
+    result = _run(pytester)
+    # Only the marked one is checked; a leak fails its teardown (an error, in pytest's words).
+    result.assert_outcomes(passed=4, errors=1)
+    result.stdout.fnmatch_lines(["ERROR test_leaky.py::test_marked_and_leaky - Failed: aioshmq*"])
+    result = _run(pytester, "--aioshmq-leaks")
+    result.assert_outcomes(passed=4, errors=2)
+    result.stdout.fnmatch_lines(
+        ["*ERROR at teardown of test_leaves_a_writer_open*", "*ring memory still held*"]
+    )
+    pytester.makeini(INI + "aioshmq_leaks = true\n")
+    _run(pytester).assert_outcomes(passed=4, errors=2)
