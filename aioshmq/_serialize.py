@@ -362,7 +362,7 @@ class BufferSerializer(Protocol):
     bytes-like header and a sequence of C-contiguous bytes-like buffers, each copied into the
     ring once, beside the header and 16-byte aligned.  ``loads(header, buffers)`` gets them
     back: after ``get()``, ``bytes`` and ``bytearray`` copies that the object may keep; inside
-    a lease, read-only ``memoryview``s of the ring itself, valid only until the lease ends.
+    a lease, read-only ``memoryview`` objects on the ring itself, valid only until the lease ends.
     """
 
     out_of_band: bool

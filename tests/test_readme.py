@@ -59,10 +59,11 @@ class Block:
 class Snippet:
     code: Block
     output: Block | None
+    source: str = "README.md"
 
     @property
     def where(self) -> str:
-        return f"README.md line {self.code.line} (under {self.code.heading!r})"
+        return f"{self.source} line {self.code.line} (under {self.code.heading!r})"
 
 
 def _blocks(markdown: str) -> list[Block]:
@@ -105,24 +106,26 @@ def _blocks(markdown: str) -> list[Block]:
     return blocks
 
 
-def _snippets() -> list[Snippet]:
-    blocks = _blocks(README.read_text(encoding="utf-8"))
+def _snippets(path: Path = README) -> list[Snippet]:
+    blocks = _blocks(path.read_text(encoding="utf-8"))
     snippets = []
     for n, block in enumerate(blocks):
         if block.info not in PYTHON_INFO:
             continue
         after = blocks[n + 1] if n + 1 < len(blocks) else None
         output = after if after and after.info == OUTPUT_INFO and after.follows == n else None
-        snippets.append(Snippet(block, output))
+        snippets.append(Snippet(block, output, str(path.relative_to(ROOT))))
     return snippets
 
 
 def _id(snippet: Snippet) -> str:
     slug = re.sub(r"[^a-z0-9]+", "-", snippet.code.heading.lower()).strip("-")
-    return f"{slug}-line{snippet.code.line}"
+    prefix = "" if snippet.source == "README.md" else Path(snippet.source).stem + "-"
+    return f"{prefix}{slug}-line{snippet.code.line}"
 
 
-SNIPPETS = _snippets()
+# The docs' own pages hold snippets too (the rest of the docs include the README's).
+SNIPPETS = _snippets() + _snippets(ROOT / "docs" / "tutorial.md")
 
 
 def test_the_readme_has_python_snippets() -> None:
