@@ -50,7 +50,8 @@ EVERY_TIMEOUT = TINY_TIMEOUT + REMOTE_TIMEOUT + NEW_PATHS_TIMEOUT
 @pytest.mark.parametrize(
     "only",
     [
-        pytest.param(("small", "lag"), id="small-and-lag"),  # the plumbing, in seconds
+        # The plumbing, in seconds.
+        pytest.param(("small", "lag"), id="small-and-lag", marks=pytest.mark.slow),
         pytest.param(SCENARIO_NAMES, id="every-scenario", marks=pytest.mark.slow),
     ],
 )

@@ -282,6 +282,7 @@ def _kill_connections(port: str) -> bool:
     return done.returncode == 0
 
 
+@pytest.mark.slow  # about 7 s of streams cut and resumed
 @pytest.mark.timeout(120)
 def test_connections_reset_mid_stream_lose_nothing_and_repeat_nothing() -> None:
     """ZeroMQ reconnects by itself; what was in flight goes again from the writer's ring,

@@ -399,6 +399,7 @@ def test_mirror_cut_off(pair: Pair, kids: Children) -> None:
     assert put - max_messages <= got[0] <= put, (put, got)
 
 
+@pytest.mark.slow  # about 4 s
 @pytest.mark.timeout(60)
 def test_connection_reset_loses_nothing(pair: Pair, kids: Children) -> None:
     """The TCP connection is destroyed at both ends while the link is down, for longer than

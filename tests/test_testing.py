@@ -30,7 +30,8 @@ def _run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode", ["strict", pytest.param("auto", marks=pytest.mark.slow)])
+@pytest.mark.slow  # two xdist workers, each with its spawned rpc workers: about 5 s a mode
+@pytest.mark.parametrize("mode", ["strict", "auto"])
 def test_a_pytest_asyncio_suite_with_a_session_client_and_xdist(
     pytester: pytest.Pytester, mode: str
 ) -> None:
@@ -129,6 +130,7 @@ def test_anyio_backends_and_the_process_reaper(pytester: pytest.Pytester) -> Non
     assert result.duration < 120  # the sleeping children were killed, not waited for
 
 
+@pytest.mark.slow  # three pytest runs, about 5 s
 def test_the_leak_check_is_opt_in_and_names_the_leak(pytester: pytest.Pytester) -> None:
     pytester.makeini(INI)
     pytester.makepyfile(

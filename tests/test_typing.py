@@ -22,6 +22,7 @@ def _mypy(path: Path, cache: Path) -> tuple[str, int]:
     return out + err, status
 
 
+@pytest.mark.slow  # about 15 s of mypy
 def test_context_managers_return_their_own_type(tmp_path: Path) -> None:
     out, status = _mypy(HERE / "typecheck_ends.py", tmp_path / "cache")
     assert status == 0, out
