@@ -132,6 +132,33 @@ def connect(
     ``insecure_loopback=True`` if it was); one not heard from for ``heartbeat`` seconds is
     a dead writer (PeerDied after every message that fully arrived).
     """
+    return _connect(
+        handle,
+        reader,
+        serializer,
+        timeout,
+        spin,
+        trusted_uids,
+        secret,
+        insecure_loopback,
+        heartbeat,
+        wait,
+    )
+
+
+def _connect(
+    handle: Handle | str,
+    reader: int,
+    serializer: SerializerSpec | None,
+    timeout: float | None,
+    spin: float,
+    trusted_uids: Iterable[int],
+    secret: bytes | None,
+    insecure_loopback: bool,
+    heartbeat: float,
+    wait: bool | threading.Event,
+) -> Reader[Any]:
+    """``connect`` and ``aconnect``'s work; ``wait`` may be the event that gives up waiting."""
     if isinstance(handle, str) and handle.startswith(REMOTE):
         if not isinstance(spin, int | float) or isinstance(spin, bool) or not 0 <= spin <= 1:
             raise ValueError(f"spin must be a number of seconds from 0 to 1, not {spin!r}")
@@ -149,8 +176,6 @@ def connect(
         )
     if secret is not None or insecure_loopback:
         raise ValueError("secret= and insecure_loopback= are for remote addresses (tcp://, ipc://)")
-    if not isinstance(wait, bool):
-        raise TypeError(f"wait must be True or False, not {wait!r}")
     return _reader.connect(
         handle,
         reader,
@@ -185,35 +210,22 @@ async def aconnect(
     done: list[Reader[Any]] = []
     lock = threading.Lock()
 
+    if not isinstance(wait, bool):
+        raise TypeError(f"wait must be True or False, not {wait!r}")
+
     def attach() -> Reader[M]:
-        if isinstance(handle, str) and handle.startswith(REMOTE):
-            got = connect(
-                handle,
-                reader,
-                serializer=serializer,
-                timeout=timeout,
-                spin=spin,
-                trusted_uids=trusted_uids,
-                secret=secret,
-                insecure_loopback=insecure_loopback,
-                heartbeat=heartbeat,
-            )
-        else:
-            if secret is not None or insecure_loopback:
-                raise ValueError(
-                    "secret= and insecure_loopback= are for remote addresses (tcp://, ipc://)"
-                )
-            if not isinstance(wait, bool):
-                raise TypeError(f"wait must be True or False, not {wait!r}")
-            got = _reader.connect(
-                handle,
-                reader,
-                serializer=serializer,
-                timeout=timeout,
-                spin=spin,
-                trusted_uids=trusted_uids,
-                wait=give_up if wait else False,
-            )
+        got = _connect(
+            handle,
+            reader,
+            serializer,
+            timeout,
+            spin,
+            trusted_uids,
+            secret,
+            insecure_loopback,
+            heartbeat,
+            give_up if wait else False,
+        )
         with lock:
             if give_up.is_set():  # nobody will take it
                 got.close()

@@ -22,6 +22,8 @@ import pytest
 import pytest_timeout
 import uvloop
 
+from aioshmq.testing import Processes
+
 BACKENDS = [
     pytest.param("asyncio", id="asyncio"),
     pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
@@ -71,42 +73,16 @@ def run_backend(name: str, fn: Callable[..., Any], *args: Any) -> Any:
     return anyio.run(fn, *args, backend=name)
 
 
-class Children:
-    """Child processes that are always reaped: joined with a timeout, killed if they hang."""
+class Children(Processes):
+    """The plugin's reaper, with the start method first: ``children.start(method, target,
+    *args)``."""
 
-    def __init__(self) -> None:
-        self.procs: list[multiprocessing.process.BaseProcess] = []
-
-    def start(
+    def start(  # type: ignore[override]
         self, method: str, target: Callable[..., Any], *args: Any
     ) -> multiprocessing.process.BaseProcess:
         """Start a child; from a coroutine, use ``await anyio.to_thread.run_sync(...)``, so
         that a forked child does not inherit a running event loop."""
-        ctx = multiprocessing.get_context(method)
-        proc = ctx.Process(target=target, args=args, daemon=True)
-        proc.start()
-        self.procs.append(proc)
-        return proc
-
-    def join(self, timeout: float = 60.0) -> list[int | None]:
-        codes = []
-        for proc in self.procs:
-            proc.join(timeout)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
-                raise AssertionError(f"child {proc.pid} still running after {timeout} s")
-            codes.append(proc.exitcode)
-        return codes
-
-    def kill_all(self) -> None:
-        for proc in self.procs:
-            if proc.is_alive():
-                proc.kill()
-            proc.join(5)
-            close = getattr(proc, "close", None)
-            if close is not None:
-                close()
+        return super().start(target, *args, method=method)
 
 
 @pytest.fixture
