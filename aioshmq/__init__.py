@@ -6,6 +6,7 @@ from ._errors import (
     Empty,
     Full,
     PeerDied,
+    ReaderEvicted,
     SerializationError,
     UndeliveredWarning,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "PeerDied",
     "PickleSerializer",
     "Reader",
+    "ReaderEvicted",
     "ReaderStatistics",
     "Reducer",
     "Reservation",

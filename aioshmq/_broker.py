@@ -304,7 +304,13 @@ class Broker:
         """A live view (``python -m aioshmq stat``): the ring's memory, to map read-only, and
         what only this process knows of its slots; no slot changes hands."""
         holders = {c.index: c for c in self._conns if c.attached}
-        letters = {_ring.PENDING: "p", _ring.ATTACHED: "a", _ring.DETACHED: "d", DEAD: "x"}
+        letters = {
+            _ring.PENDING: "p",
+            _ring.ATTACHED: "a",
+            _ring.DETACHED: "d",
+            DEAD: "x",
+            _ring.EVICTED: "e",
+        }
         with self.ring.gate.lock:
             states = "".join(letters.get(state, "?") for state in self.ring.gate.states)
         pids, peers = [], {}
@@ -389,7 +395,22 @@ class Broker:
             conn.bye = data == BYE
         index = conn.index
         assert index is not None
-        if conn.bye:
+        dead = not (conn.bye or self.detach_dead)
+        if dead:
+            self._dead_pids[index] = conn.pid
+            self._dead_peers[index] = conn.peer
+        prior = self.ring.leave(index, dead)
+        if prior == _ring.EVICTED:
+            self._dead_pids.pop(index, None)
+            self._dead_peers.pop(index, None)
+            log.info(
+                "ring %r: evicted reader %d (%s) %s; its slot is free",
+                self.name,
+                index,
+                _who(conn),
+                "closed" if conn.bye else "ended",
+            )
+        elif conn.bye:
             log.info("ring %r: reader %d detached (%s)", self.name, index, _who(conn))
         else:
             log.warning(
@@ -401,12 +422,6 @@ class Broker:
                 if self.detach_dead
                 else "the writer raises PeerDied when it waits for it",
             )
-        if conn.bye or self.detach_dead:
-            self.ring.detach(index)
-        else:
-            self._dead_pids[index] = conn.pid
-            self._dead_peers[index] = conn.peer
-            self.ring.detach(index, DEAD)
         if conn.bye:
             try:
                 conn.sock.send(BYE)

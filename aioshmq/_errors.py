@@ -11,6 +11,7 @@ __all__ = [
     "Empty",
     "Full",
     "PeerDied",
+    "ReaderEvicted",
     "SerializationError",
     "UndeliveredWarning",
     "busy",
@@ -33,6 +34,17 @@ class PeerDied(anyio.BrokenResourceError):
         self.role = role
         self.pid = pid
         self.index = index
+
+
+class ReaderEvicted(anyio.BrokenResourceError):
+    """The writer stopped waiting for this reader, which had not advanced for the ring's
+    ``slow_reader_timeout``: messages after the last one it received are not delivered to it.
+    """
+
+    def __init__(self, message: str, *, index: int, timeout: float) -> None:
+        super().__init__(message)
+        self.index = index  #: the reader's slot
+        self.timeout = timeout  #: the writer's slow_reader_timeout, in seconds
 
 
 class CorruptedError(RuntimeError):

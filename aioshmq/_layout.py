@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from ._errors import CorruptedError
 
 MAGIC = 0x31514D48534F4941  # b"AIOSHMQ1" read as a little-endian u64
-VERSION = 1
+VERSION = 2  # 2: reader lines carry R_EVICTED (a version-1 reader would not look at it)
 
 PAGE = 4096
 LINE = 128  # two cache lines: keeps adjacent-line prefetch from sharing a counter's line
@@ -41,12 +41,15 @@ W_WANT_POS = 4  # while asleep: wake me once your tail reaches this position
 W_WANT_COUNT = 5  # ... and your message count reaches this one
 
 # Reader line i at READER_LINES + i * LINE: written by reader i only (and by the writer's
-# broker while slot i has no reader, to set where the next reader starts).
+# broker while slot i has no reader, to set where the next reader starts), except R_EVICTED.
 READER_LINES = 2 * LINE
 R_TAIL = 0  # bytes consumed
 R_TAIL_COUNT = 1  # messages consumed
 R_SLEEP = 2  # nonzero episode id while the reader sleeps, else 0
 R_PID = 3  # pid of the reader holding the slot (informational)
+# Written by the writer only: nonzero once it evicted the slot's reader for not advancing
+# (the slow_reader_timeout, in ms, at least 1), zero again when the slot is handed out.
+R_EVICTED = 4
 
 # Record kinds (low 8 bits of a record's first word).
 PAD = 1  # filler up to the end of the data area

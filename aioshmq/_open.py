@@ -39,6 +39,7 @@ def create(
     on_reader_death: OnReaderDeath = "raise",
     linger: float = 0.0,
     slow_reader_warning: float | None = 10.0,
+    slow_reader_timeout: float | None = None,
     listen: str | None = None,
     secret: bytes | None = None,
     insecure_loopback: bool = False,
@@ -56,6 +57,9 @@ def create(
     ``slow_reader_warning``: a put that has waited this long (seconds) for room logs a
     warning (logger ``"aioshmq"``) naming the slowest reader, its pid and how far behind it
     is, and again each time as long again passes; None: never.
+    ``slow_reader_timeout``: a reader that is alive but has not advanced for this long
+    (seconds) while a put waited for it is evicted: the writer stops keeping messages for
+    it, and its next read raises ``ReaderEvicted``.  None (the default): wait for it.
 
     With ``listen`` (``"tcp://HOST:PORT"``, port 0 for any, or ``"ipc://PATH"``) any slot
     may also be attached from another host: ``writer.address`` is the endpoint bound.
@@ -74,6 +78,7 @@ def create(
         on_reader_death=on_reader_death,
         linger=linger,
         slow_reader_warning=slow_reader_warning,
+        slow_reader_timeout=slow_reader_timeout,
     )
     if relay is not None:
         try:

@@ -186,7 +186,7 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
                 self._epoll.register(self._pidfd, select.EPOLLIN)
             self._wait_fd = self._epoll.fileno()
             confirm(att, name)  # from here on the slot is this reader's
-            self._ring = RingReader(self._seg, self._layout, index, self._writer_wake)
+            self._ring = RingReader(self._seg, self._layout, index, self._writer_wake, name)
         except BaseException:
             if self._epoll is not None:
                 self._epoll.close()

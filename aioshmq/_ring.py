@@ -17,7 +17,7 @@ from typing import Final
 from . import _layout as L
 from . import _switch
 from ._atomics import acquire, fence, release
-from ._errors import CorruptedError, busy
+from ._errors import CorruptedError, ReaderEvicted, busy
 from ._layout import Layout, record_size
 from ._notify import Notifier
 from ._ringcore import ReaderCore, WriterCore, check_record
@@ -31,6 +31,10 @@ PENDING: Final = 0  # never attached: keeps every message for the reader to come
 ATTACHED: Final = 1
 DETACHED: Final = 2  # gave its slot up: not waited for
 DEAD: Final = 3  # its process ended without closing: still waited for, so the writer can tell
+# Its live reader was evicted (slow_reader_timeout): not waited for, and not handed out again
+# until that reader's connection ends.
+EVICTED: Final = 4
+WAITED_FOR: Final = (PENDING, ATTACHED, DEAD)
 
 _U64 = struct.Struct("<Q")
 _TABLE_HEAD = struct.Struct("<QQ")
@@ -190,6 +194,7 @@ class RingWriter(WriterCore):
         self.r_tail = [layout.reader_word(i, L.R_TAIL) for i in range(layout.readers)]
         self.r_count = [layout.reader_word(i, L.R_TAIL_COUNT) for i in range(layout.readers)]
         self.r_sleep = [layout.reader_word(i, L.R_SLEEP) for i in range(layout.readers)]
+        self.r_evicted = [layout.reader_word(i, L.R_EVICTED) for i in range(layout.readers)]
         self.episode = _episode()
         self.written_at = 0  # where the payload of the last record try_write wrote starts
 
@@ -211,7 +216,7 @@ class RingWriter(WriterCore):
             # From the published head, not the cursor: a reader attaching now starts there.
             lo_pos, lo_count = self.head, self.head_count
             for i, state in enumerate(self.gate.states):
-                if state != DETACHED:
+                if state in WAITED_FOR:
                     t = w[self.r_tail[i]]
                     c = w[self.r_count[i]]
                     if t > self.head or c > self.head_count:
@@ -346,10 +351,11 @@ class RingWriter(WriterCore):
         w = self.w
         with self.gate.lock:
             prior = self.gate.states[index]
-            if prior in (DETACHED, DEAD):
+            if prior in (DETACHED, DEAD, EVICTED):
                 w[self.r_tail[index]] = w[self.w_head]
                 w[self.r_count[index]] = w[self.w_count]
             w[self.r_sleep[index]] = 0
+            w[self.r_evicted[index]] = 0
             self.gate.states[index] = ATTACHED
         return prior
 
@@ -360,11 +366,52 @@ class RingWriter(WriterCore):
             self.gate.states[index] = prior
             self.w[self.r_sleep[index]] = 0
 
-    def detach(self, index: int, state: int = DETACHED) -> None:
-        """Take slot ``index`` from its reader: DETACHED (not waited for) or DEAD."""
+    def leave(self, index: int, dead: bool) -> int:
+        """Slot ``index``'s reader went away (cleanly or not): the slot becomes DETACHED, or
+        DEAD for a death the writer is to notice, unless the writer had already evicted it.
+        Returns the state it had."""
         with self.gate.lock:
-            self.gate.states[index] = state
+            prior = self.gate.states[index]
+            self.gate.states[index] = DEAD if dead and prior != EVICTED else DETACHED
             self.w[self.r_sleep[index]] = 0
+        return prior
+
+    def blockers(self) -> list[tuple[int, int, int]]:
+        """(slot, tail, count) of each live reader that holds back the write the writer
+        waits to make (``need``)."""
+        w = self.w
+        pos = self.pos + self.need_span - self.cap
+        count = self.count + self.need_count - self.layout.max_messages
+        found = []
+        with self.gate.lock:
+            for i, state in enumerate(self.gate.states):
+                if state == ATTACHED:
+                    t, c = w[self.r_tail[i]], w[self.r_count[i]]
+                    if t < pos or c < count:
+                        found.append((i, t, c))
+        return found
+
+    def evict(self, index: int, tail: int, count: int, timeout: float) -> bool:
+        """Stop waiting for slot ``index``'s live reader if it is still at (tail, count), and
+        tell it so; False if it moved or left meanwhile.
+
+        The mark is stored, then fenced, before the writer can reuse any of the reader's
+        records: a reader that finds one of its records overwritten then also finds the
+        mark (it loads the mark after the record, behind an acquire fence).
+        """
+        w = self.w
+        with self.gate.lock:
+            if (
+                self.gate.states[index] != ATTACHED
+                or w[self.r_tail[index]] != tail
+                or w[self.r_count[index]] != count
+            ):
+                return False
+            w[self.r_evicted[index]] = max(1, round(timeout * 1000))
+            self.gate.states[index] = EVICTED
+        fence()
+        self.wake[index].signal()  # should it be asleep, it wakes to find out
+        return True
 
     def drop(self, index: int) -> None:
         """Stop waiting for slot ``index`` unless a live reader holds it (checked and done
@@ -415,7 +462,7 @@ class RingWriter(WriterCore):
         found = []
         with self.gate.lock:
             for i, state in enumerate(self.gate.states):
-                if state != DETACHED:
+                if state in WAITED_FOR:
                     pid = w[layout.reader_word(i, L.R_PID)]
                     behind = self.head_count - min(w[self.r_count[i]], self.head_count)
                     gap = self.head - min(w[self.r_tail[i]], self.head)
@@ -435,7 +482,9 @@ class RingReader(ReaderCore):
     The per-message work is the core's (compiled or pure, see ``_switch``).
     """
 
-    def __init__(self, seg: Segment, layout: Layout, index: int, wake_writer: Notifier) -> None:
+    def __init__(
+        self, seg: Segment, layout: Layout, index: int, wake_writer: Notifier, name: str = ""
+    ) -> None:
         seg.words[layout.reader_word(index, L.R_PID)] = os.getpid()  # for a reader of the ring
         super().__init__(
             seg.mapping,
@@ -458,11 +507,24 @@ class RingReader(ReaderCore):
         self.r_tail = layout.reader_word(index, L.R_TAIL)
         self.r_count = layout.reader_word(index, L.R_TAIL_COUNT)
         self.r_sleep = layout.reader_word(index, L.R_SLEEP)
+        self.r_evicted = layout.reader_word(index, L.R_EVICTED)
         self.episode = _episode()
         self.spare: bytearray | None = None  # a finished lease's buffer, reused (no page faults)
         self.partial_kind = 0
         self.partial_len = 0
         self.partial_total = 0
+        self.name = name
+
+    def _evicted(self, mark: int) -> None:
+        timeout = mark / 1000
+        raise ReaderEvicted(
+            f"reader {self.index} of ring {self.name!r} was evicted by its writer: it had not "
+            f"advanced for {timeout:g} s (the ring's slow_reader_timeout) while a put waited "
+            "for it, so the writer stopped keeping messages for it.  Close this reader; a "
+            "new connect to the slot starts with the next message put",
+            index=self.index,
+            timeout=timeout,
+        )
 
     def closed(self) -> bool:
         """True once the writer closed; call only when ``available()`` said False."""
@@ -510,6 +572,7 @@ class RingReader(ReaderCore):
             else:
                 del partial[self.partial_len :]
                 partial += chunk
+            self.check_evicted()  # the copy is sound only if this passes
             self.partial_len = end
         self.tail += record_size(length)
         if base != L.LAST:
@@ -531,6 +594,8 @@ class RingReader(ReaderCore):
         moves past them; the published tail does not (see ``release_to``).  None if
         nothing is published past the tail."""
         cap, q = self.cap, self.q
+        if mark := self.w[self.r_evicted]:
+            self._evicted(mark)
         skipped = self.tail
         while True:
             if self.tail == self.head and not self.available():
@@ -578,7 +643,9 @@ class RingReader(ReaderCore):
         return self.w[self.w_closed] == L.CLOSED_BROKEN
 
     def consume(self, size: int) -> None:
-        """Step past the message ``next()`` returned (``size`` is its third item)."""
+        """Step past the message ``next()`` returned (``size`` is its third item), once it
+        was loaded: ReaderEvicted instead if the writer evicted this reader meanwhile."""
+        self.check_evicted()
         if size:
             self.tail += size
             self.count += self.messages
@@ -599,5 +666,8 @@ class RingReader(ReaderCore):
         return mark
 
     def unpin(self, mark: tuple[int, int]) -> None:
+        """Let the writer reuse a leased record; ReaderEvicted if it was evicted before
+        (while the lease was held its memory may have been overwritten)."""
         self.pins.remove(mark)
         self.publish()
+        self.check_evicted()

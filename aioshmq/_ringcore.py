@@ -202,6 +202,7 @@ class ReaderCore(_Mapped):
         self._r_tail = L.reader_word_index(index, L.R_TAIL)
         self._r_count = L.reader_word_index(index, L.R_TAIL_COUNT)
         self._r_sleep = L.reader_word_index(index, L.R_SLEEP)
+        self._r_evicted = L.reader_word_index(index, L.R_EVICTED)
         self._wake_writer = wake_writer
         self.index = index
         self.tail = self._cwords[self._r_tail]
@@ -220,7 +221,22 @@ class ReaderCore(_Mapped):
     def _fragment(self, off: int, base: int, kind: int, length: int) -> memoryview | None:
         raise NotImplementedError
 
+    def _evicted(self, mark: int) -> None:
+        """Raise ReaderEvicted (the writer stored ``mark`` in this reader's line)."""
+        raise NotImplementedError
+
     partial_kind: int
+
+    def check_evicted(self) -> None:
+        """Raise ReaderEvicted if the writer evicted this reader.
+
+        Called after a record was read (behind an acquire fence): what was read is sound
+        unless this raises, as the writer marks the reader before reusing its records.
+        """
+        acquire()
+        mark = self._cwords[self._r_evicted]
+        if mark:
+            self._evicted(mark)
 
     def available(self) -> bool:
         return self.tail != self.head or self.refresh()
@@ -250,8 +266,10 @@ class ReaderCore(_Mapped):
         Fragments are reassembled as they arrive (consuming their records, so the writer can
         stream a message larger than the ring); the message they form takes 0 ring bytes.
         """
-        cap, q = self._cap, self._cq
+        cap, q, w = self._cap, self._cq, self._cwords
         while self.tail != self.head or self.available():
+            if w[self._r_evicted]:
+                self._evicted(w[self._r_evicted])
             off = self.tail % cap
             kind, length, end = check_record(self.tail, self.head, cap, q[off >> 3])
             base = kind & L.KIND_MASK
@@ -286,6 +304,8 @@ class ReaderCore(_Mapped):
     def take_plain(self) -> memoryview | None:
         """The next record's payload if it is one whole message without buffers: the hot
         path.  None for anything else (or nothing), which ``next()`` then handles."""
+        if mark := self._cwords[self._r_evicted]:
+            self._evicted(mark)
         tail = self.tail
         if tail == self.head and not self.refresh():
             return None
@@ -300,7 +320,9 @@ class ReaderCore(_Mapped):
         return self._cdata[off + L.HEADER_SIZE : end]
 
     def consume_plain(self, payload: memoryview) -> None:
-        """Step past the record ``take_plain`` returned and publish the new tail."""
+        """Step past the record ``take_plain`` returned and publish the new tail (unless the
+        reader was evicted meanwhile: then what it read may be torn, and it raises)."""
+        self.check_evicted()
         n = len(payload)
         self.tail += record_size(n)
         self.count += 1
@@ -323,6 +345,8 @@ class ReaderCore(_Mapped):
         """The next record if it holds whole messages without buffers (one, or a batch),
         loaded with ``loads`` and consumed (even if ``loads`` raises), as (object, messages);
         ``empty`` for anything else, which ``next()`` then handles or reports."""
+        if mark := self._cwords[self._r_evicted]:
+            self._evicted(mark)
         tail = self.tail
         if tail == self.head and not self.refresh():
             return empty
@@ -343,6 +367,7 @@ class ReaderCore(_Mapped):
         try:
             obj = loads(self._cdata[off + L.HEADER_SIZE : end])
         finally:
+            self.check_evicted()
             self.tail += record_size(length)
             self.count += messages
             self.taken += messages

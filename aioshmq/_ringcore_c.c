@@ -40,6 +40,7 @@
 #define R_TAIL 0
 #define R_TAIL_COUNT 1
 #define R_SLEEP 2
+#define R_EVICTED 4
 #define PAD 1
 #define MSG 2
 #define FIRST 3
@@ -607,6 +608,33 @@ static int R_refresh_(ReaderCore *self) {
     return self->tail != head;
 }
 
+/* -1 with ReaderEvicted raised, through the subclass's _evicted(mark): the writer evicted
+ * this reader.  Any error already set (from a load of a record the writer may have
+ * overwritten) is dropped: it means nothing once the reader is evicted. */
+static int R_raise_evicted(ReaderCore *self, uint64_t mark) {
+    PyErr_Clear();
+    PyObject *r = PyObject_CallMethod((PyObject *)self, "_evicted", "K", (unsigned long long)mark);
+    if (r != NULL) {
+        Py_DECREF(r);
+        PyErr_SetString(PyExc_RuntimeError, "this reader was evicted by its writer");
+    }
+    return -1;
+}
+
+/* Before reading a record: 0, or -1 if the writer evicted this reader. */
+static inline int R_check_evicted_(ReaderCore *self) {
+    uint64_t mark = ld(rword(&self->m, self->index, R_EVICTED));
+    return mark ? R_raise_evicted(self, mark) : 0;
+}
+
+/* After reading a record (the seqlock's second look): the writer stores the mark, fences,
+ * and only then reuses the reader's records; so a read that saw any overwritten byte sees
+ * the mark here, behind the acquire fence.  0 if what was read is sound. */
+static inline int R_recheck_evicted_(ReaderCore *self) {
+    atomic_thread_fence(memory_order_acquire);
+    return R_check_evicted_(self);
+}
+
 static inline int R_available_(ReaderCore *self) {
     return self->tail != self->head ? 1 : R_refresh_(self);
 }
@@ -666,6 +694,7 @@ static PyObject *R_publish(ReaderCore *self, PyObject *unused) {
  * every bound is checked here; next() reports what is wrong with anything refused. */
 static int R_peek_plain(ReaderCore *self, const uint8_t **payload, uint64_t *n) {
     Mem *m = &self->m;
+    if (R_check_evicted_(self) < 0) return -1;
     uint64_t tail = self->tail;
     if (tail == self->head) {
         int r = R_refresh_(self);
@@ -696,6 +725,7 @@ static PyObject *R_consume_plain(ReaderCore *self, PyObject *payload) {
     if (mem_released(&self->m)) return NULL;
     Py_ssize_t n = PyObject_Length(payload);
     if (n < 0) return NULL;
+    if (R_recheck_evicted_(self) < 0) return NULL;
     self->tail += record_size((uint64_t)n);
     self->count += 1;
     self->taken += 1;
@@ -727,6 +757,10 @@ static PyObject *R_get_plain(ReaderCore *self, PyObject *const *args, Py_ssize_t
         mem_released(m);
         return NULL;
     }
+    if (R_recheck_evicted_(self) < 0) {
+        Py_XDECREF(obj);
+        return NULL;
+    }
     self->tail += record_size(n);
     self->count += 1;
     self->taken += 1;
@@ -748,6 +782,7 @@ static PyObject *R_get_record(ReaderCore *self, PyObject *const *args, Py_ssize_
     }
     Mem *m = &self->m;
     if (mem_released(m)) return NULL;
+    if (R_check_evicted_(self) < 0) return NULL;
     uint64_t tail = self->tail;
     if (tail == self->head) {
         int r = R_refresh_(self);
@@ -772,6 +807,10 @@ static PyObject *R_get_record(ReaderCore *self, PyObject *const *args, Py_ssize_
     if (m->base == NULL) {
         Py_XDECREF(obj);
         mem_released(m);
+        return NULL;
+    }
+    if (R_recheck_evicted_(self) < 0) {
+        Py_XDECREF(obj);
         return NULL;
     }
     self->tail += record_size(len);
@@ -835,6 +874,7 @@ static PyObject *R_next(ReaderCore *self, PyObject *unused) {
         int r = R_available_(self);
         if (r < 0) return NULL;
         if (r == 0) Py_RETURN_NONE;
+        if (R_check_evicted_(self) < 0) return NULL;
         uint64_t off = self->tail % cap;
         uint64_t word = ld(dword(m, off));
         uint64_t kind = word & 0xFF, length = word >> 8;
@@ -933,6 +973,12 @@ static PyObject *R_end_sleep(ReaderCore *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+static PyObject *R_check_evicted(ReaderCore *self, PyObject *unused) {
+    if (mem_released(&self->m)) return NULL;
+    if (R_recheck_evicted_(self) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyObject *R_release(ReaderCore *self, PyObject *unused) {
     mem_drop(&self->m);
     Py_RETURN_NONE;
@@ -964,6 +1010,8 @@ static PyMethodDef R_methods[] = {
     {"prepare_sleep", (PyCFunction)R_prepare_sleep, METH_NOARGS,
      "Announce that this reader is about to sleep; False if data or the end arrived."},
     {"end_sleep", (PyCFunction)R_end_sleep, METH_NOARGS, "The reader is awake."},
+    {"check_evicted", (PyCFunction)R_check_evicted, METH_NOARGS,
+     "Raise ReaderEvicted if the writer evicted this reader (after reading a record)."},
     {"release", (PyCFunction)R_release, METH_NOARGS,
      "Stop touching the ring's memory (the segment is being unmapped)."},
     {NULL}};
@@ -1070,6 +1118,7 @@ static int module_exec(PyObject *mod) {
         || add_int(layout, "W_SLEEP", W_SLEEP) || add_int(layout, "W_WANT_POS", W_WANT_POS)
         || add_int(layout, "W_WANT_COUNT", W_WANT_COUNT) || add_int(layout, "R_TAIL", R_TAIL)
         || add_int(layout, "R_TAIL_COUNT", R_TAIL_COUNT) || add_int(layout, "R_SLEEP", R_SLEEP)
+        || add_int(layout, "R_EVICTED", R_EVICTED)
         || add_int(layout, "PAD", PAD) || add_int(layout, "MSG", MSG)
         || add_int(layout, "FIRST", FIRST) || add_int(layout, "MIDDLE", MIDDLE)
         || add_int(layout, "LAST", LAST) || add_int(layout, "OOB", OOB)

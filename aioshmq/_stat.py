@@ -16,7 +16,7 @@ from . import _layout as L
 from ._broker import OBSERVE, _reach, check_name, peer_credentials
 from ._layout import Layout
 
-_STATES = {"p": "pending", "a": "attached", "d": "detached", "x": "dead"}
+_STATES = {"p": "pending", "a": "attached", "d": "detached", "x": "dead", "e": "evicted"}
 _CLOSED = {0: "open", L.CLOSED_END: "closed", L.CLOSED_BROKEN: "closed (source lost)"}
 _ACCEPTING = 0x10000  # __SO_ACCEPTCON in /proc/net/unix: a listening socket
 
@@ -26,7 +26,7 @@ class SlotView:
     """One reader slot as the writer sees it."""
 
     index: int
-    state: str  #: pending (never attached), attached, detached, dead
+    state: str  #: pending (never attached), attached, detached, dead, evicted
     pid: int  #: of its reader (of the dead one, for a dead slot); 0 if none
     peer: str  #: the remote reader a relay serves, if any
     messages_behind: int  #: published and not yet read by it
@@ -118,7 +118,7 @@ def _snapshot(name: str, reply: dict[str, Any], buf: memoryview) -> RingView:
             )
     finally:
         words.release()
-    counted = [s for s in slots if s.state != "detached"]
+    counted = [s for s in slots if s.state not in ("detached", "evicted")]
     return RingView(
         name=name,
         writer_pid=writer_pid,

@@ -28,10 +28,12 @@ from ._reserve import Reservation
 from ._ring import ATTACHED, DEAD, PENDING, Frame, Gate, RingWriter
 from ._segment import Segment
 from ._serialize import Buffer, PickleSerializer, SerializerSpec, resolve, unserializable
+from ._stuck import Stuck
 
 T = TypeVar("T")
 
 OnReaderDeath = Literal["raise", "detach"]
+_LONGEST_SLEEP = 3600.0  # s: a put waiting on a timer wakes at least this often
 
 
 class WriterStatistics(NamedTuple):
@@ -46,6 +48,7 @@ class WriterStatistics(NamedTuple):
     tasks_waiting_send: int
     wakeups_sent: int  #: wake-up syscalls made to sleeping readers
     publishes: int  #: times new messages were made visible to readers (a batch is one)
+    readers_evicted: int  #: live readers evicted for not advancing (slow_reader_timeout)
 
 
 def _positive_int(name: str, value: object, minimum: int) -> int:
@@ -67,6 +70,7 @@ def create(
     on_reader_death: OnReaderDeath = "raise",
     linger: float = 0.0,
     slow_reader_warning: float | None = 10.0,
+    slow_reader_timeout: float | None = None,
 ) -> Writer[Any]:
     """Create a ring and return its writer, which owns it.
 
@@ -76,6 +80,8 @@ def create(
     slots that never had one while messages wait for them (see ``Writer.close``).
     ``slow_reader_warning``: a put that has waited this long (seconds) for room logs a
     warning naming the slowest reader, and again each time as long again passes; None: never.
+    ``slow_reader_timeout``: a live reader that has not advanced for this long (seconds)
+    while a put waited for it is evicted (see ``Writer``); None (the default): wait for it.
     """
     capacity = _positive_int("capacity", capacity, L.MIN_CAPACITY)
     if capacity > L.MAX_CAPACITY:
@@ -89,13 +95,24 @@ def create(
     linger = _linger(linger)
     if slow_reader_warning is not None:
         slow_reader_warning = _seconds("slow_reader_warning", slow_reader_warning)
+    if slow_reader_timeout is not None:
+        slow_reader_timeout = _seconds("slow_reader_timeout", slow_reader_timeout)
     ser = resolve(serializer)
     kind = default_kind() if notifier is None else notifier
     if kind not in ("eventfd", "pipe"):
         raise ValueError(f"notifier must be 'eventfd' or 'pipe', not {notifier!r}")
     name = check_name(name) if name is not None else f"{os.getpid()}-{secrets.token_hex(8)}"
     layout = Layout(L.align(capacity, 64), max_messages, readers)
-    return Writer(layout, ser, kind, name, on_reader_death, linger, slow_reader_warning)
+    return Writer(
+        layout,
+        ser,
+        kind,
+        name,
+        on_reader_death,
+        linger,
+        slow_reader_warning,
+        slow_reader_timeout,
+    )
 
 
 def _same(view: memoryview) -> memoryview:
@@ -141,9 +158,11 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         on_reader_death: OnReaderDeath,
         linger: float = 0.0,
         slow_reader_warning: float | None = None,
+        slow_reader_timeout: float | None = None,
     ) -> None:
         super().__init__()
         self._slow_warning = slow_reader_warning
+        self._stuck = None if slow_reader_timeout is None else Stuck(slow_reader_timeout)
         self._closed = True  # until everything below exists
         self._halt = True  # closed, or its broker stopped: the hot paths check this alone
         self._reserving = False  # a sync reservation's block is open (see _reserve)
@@ -310,6 +329,39 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
             return None
         return since + every * ((time.monotonic() - since) // every + 1)
 
+    def _alarm(self, since: float | None) -> tuple[float | None, float | None]:
+        """When the sleep about to start should end for the slow-reader policies (None:
+        never), and when the warning is due.  Also notes where the stuck readers are."""
+        warn_at = self._warn_at(since)
+        alarm = warn_at
+        if self._stuck is not None:
+            self._stuck.waited(self._ring, 0.0)
+            judge_at = time.monotonic() + self._stuck.due()
+            alarm = judge_at if alarm is None else min(alarm, judge_at)
+        if alarm is not None:
+            alarm = min(alarm, time.monotonic() + _LONGEST_SLEEP)
+        return alarm, warn_at
+
+    def _after_sleep(self, since: float | None, warn_at: float | None, slept: float) -> None:
+        """The sleep begun at ``slept`` ended: warn about the slowest reader if it is time,
+        and evict readers that stayed put for the slow_reader_timeout."""
+        now = time.monotonic()
+        if warn_at is not None and since is not None and now >= warn_at:
+            self._warn_slow(since)
+        if self._stuck is None:
+            return
+        for slot, _tail, count in self._stuck.waited(self._ring, now - slept):
+            pid = self._seg.words[self._layout.reader_word(slot, L.R_PID)]
+            log.warning(
+                "ring %r: evicted reader %d (pid %d): it had not advanced for %g s while a "
+                "put waited for it (slow_reader_timeout), %d messages behind",
+                self._name,
+                slot,
+                pid,
+                self._stuck.timeout,
+                self._ring.head_count - min(count, self._ring.head_count),
+            )
+
     def _warn_slow(self, since: float) -> None:
         lags = self._ring.lags()
         if not lags:
@@ -341,19 +393,19 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
             # After the drain: a death the broker signalled before it is seen here, and one
             # after it wakes the sleep below.
             self._check_readers()
+            alarm, warn_at = self._alarm(since)
             if self._ring.prepare_sleep(need, messages):
+                slept = time.monotonic()
                 try:
-                    warn_at = self._warn_at(since)
-                    if warn_at is None:
+                    if alarm is None:
                         await self._sleep()
                     else:
-                        with anyio.move_on_after(warn_at - time.monotonic()) as slow:
+                        with anyio.move_on_after(alarm - slept):
                             await self._sleep()
-                        if slow.cancelled_caught and since is not None:
-                            self._warn_slow(since)
                 finally:
                     if not self._closed:  # closed meanwhile: never touch the ring again
                         self._ring.end_sleep()
+                        self._after_sleep(since, warn_at, slept)
         finally:
             self._unhold(token)
         self._check()
@@ -366,19 +418,21 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
             if self._closed:  # its close wake-up was just drained: never sleep now
                 self._check()
             self._check_readers()  # after the drain, as in _wait_room
+            alarm, warn_at = self._alarm(since)
             if self._ring.prepare_sleep(need, messages):
+                slept = time.monotonic()
                 try:
-                    warn_at = self._warn_at(since)
-                    if warn_at is None or (deadline is not None and deadline <= warn_at):
+                    if alarm is None or (deadline is not None and deadline <= alarm):
                         self._sleep_sync(deadline)
                     else:
                         try:
-                            self._sleep_sync(warn_at)
+                            self._sleep_sync(alarm)
                         except TimeoutError:
-                            if since is not None:
-                                self._warn_slow(since)
+                            pass
                 finally:
                     self._ring.end_sleep()
+                    if not self._closed:
+                        self._after_sleep(since, warn_at, slept)
         finally:
             self._unhold(token)
         self._check()
@@ -662,6 +716,7 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
             tasks_waiting_send=self._waiting,
             wakeups_sent=self._ring.wakeups,
             publishes=self._ring.publishes,
+            readers_evicted=0 if self._stuck is None else self._stuck.evicted,
         )
 
     # -- closing ---------------------------------------------------------------------------

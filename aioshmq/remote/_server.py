@@ -13,7 +13,7 @@ import anyio
 import zmq
 
 from .. import _reader
-from .._errors import CorruptedError
+from .._errors import CorruptedError, ReaderEvicted
 from .._layout import Layout
 from .._reader import Reader
 from .._ring import RingReader
@@ -181,7 +181,11 @@ class Server:
                 while (run := ring.next_run(CHUNK)) is not None:
                     pos, count, records = run
                     head = W.DATA + W.RUN.pack(pos, count, ring.tail, ring.count)
-                    self._send(remote, [head, records])
+                    # Copied out, then checked: a run the writer may have overwritten (it
+                    # evicted this reader) is never sent.
+                    data = bytes(records)
+                    ring.check_evicted()
+                    self._send(remote, [head, data], copy=False)
                     if remote.away:
                         return
                     if ring.tail > remote.sent[0]:
@@ -195,10 +199,13 @@ class Server:
                     return
         except CorruptedError:
             self._drop(remote, dead=True)
+        except ReaderEvicted as exc:
+            self._refuse(remote.rid, "evicted", str(exc))
+            self._drop(remote, dead=False)
 
-    def _send(self, remote: _Remote, frames: list[Any]) -> None:
+    def _send(self, remote: _Remote, frames: list[Any], copy: bool = True) -> None:
         try:
-            self._router.send_multipart([remote.rid, *frames], copy=True)
+            self._router.send_multipart([remote.rid, *frames], copy=copy)
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
