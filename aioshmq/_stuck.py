@@ -1,4 +1,4 @@
-"""The stuck-reader policy: which live readers hold the writer back without advancing, and their eviction."""
+"""The stuck-reader policy: evicting live readers that hold the writer back without moving."""
 
 from __future__ import annotations
 
