@@ -202,6 +202,17 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         """Why the stream was cut off, as far as this process knows."""
         return f"the process that writes it, pid {self._writer_pid}, lost its own source"
 
+    def _cut_off(self) -> anyio.BrokenResourceError:
+        """The error once every message that arrived was read from a stream cut off at its
+        source (a relay, such as a remote reader's mirror, lost it)."""
+        what, pid = self._source
+        return PeerDied(
+            f"the stream {what} was cut off at its source ({self._source_note()}):"
+            " every message that fully arrived was delivered",
+            role="writer",
+            pid=pid,
+        )
+
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         return f"<aioshmq.Reader {self._name!r} reader={self._index} {state}>"
@@ -235,13 +246,7 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
                 ring.publish()  # fragments were read: let the writer reuse their room
             if ring.closed():
                 if ring.broken():
-                    what, pid = self._source
-                    raise PeerDied(
-                        f"the stream {what} was cut off at its source ({self._source_note()}):"
-                        " every message that fully arrived was delivered",
-                        role="writer",
-                        pid=pid,
-                    )
+                    raise self._cut_off()
                 raise anyio.EndOfStream
             return _EMPTY
         payload, kind, size = msg

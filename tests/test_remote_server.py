@@ -158,3 +158,30 @@ async def test_the_writer_reuses_only_what_a_remote_reader_acknowledged() -> Non
                 assert sock.poll(10_000)
         finally:
             ctx.destroy(linger=0)
+
+
+def test_a_remote_reader_that_stops_reading_is_evicted_and_told() -> None:
+    """The relay's slot is evicted like a local one: the remote reader gets what fully
+    arrived, then ReaderEvicted (never a run the writer may have overwritten)."""
+    with aioshmq.create(
+        capacity=1 << 16,
+        max_messages=16,
+        readers=2,
+        listen="tcp://127.0.0.1:0",
+        insecure_loopback=True,
+        slow_reader_timeout=0.3,
+    ) as w:
+        assert w.address is not None
+        with aioshmq.connect(w.name, 0, spin=0) as a, aioshmq.connect(
+            w.address, 1, insecure_loopback=True, timeout=30
+        ) as r:
+            for i in range(100):  # the remote reader reads none of them: it is evicted
+                w.put_sync(i, timeout=30)
+                assert a.get_sync(timeout=30) == i
+            assert w.statistics().readers_evicted == 1
+            got = []
+            with pytest.raises(aioshmq.ReaderEvicted, match="slow_reader_timeout") as caught:
+                while True:
+                    got.append(r.get_sync(timeout=30))
+            assert got == list(range(len(got))) and 0 < len(got) < 100
+            assert caught.value.index == 1 and caught.value.timeout == 0.3

@@ -215,6 +215,59 @@ def test_a_released_core_refuses_to_touch_memory() -> None:
             r.get_plain(bytes, None)
 
 
+class _Evicted(Exception):
+    pass
+
+
+@pytest.mark.parametrize("core_name", ["pure", "compiled"])
+def test_an_evicted_reader_reads_nothing_more_on_either_core(core_name: str) -> None:
+    """Once the writer marks the slot, every read path raises (through ``_evicted``, with
+    the mark) before it reads a record, and after one it read: the tail stays put."""
+    core = _ringcore if core_name == "pure" else _ringcore_c
+    if core is None:
+        pytest.skip("the compiled core is not built")
+    layout = Layout(4096, 9, 1)
+    mem = _memory(layout)
+    words = memoryview(mem).cast("Q")
+    mark = layout.reader_word(0, L.R_EVICTED)
+
+    class Reader(_reader(core, mem, layout).__class__):  # type: ignore[misc]
+        def _evicted(self, value: int) -> None:
+            raise _Evicted(value)
+
+    w = _writer(core, mem, layout)
+    r = Reader(mem, layout.data_offset, layout.capacity, layout.max_messages, 1, 0, _Closed())
+    for i in range(3):
+        assert w.put_plain(pickle.dumps(i))
+    assert r.get_plain(pickle.loads, None) == 0
+    words[mark] = 250
+    reads = {
+        "take_plain": r.take_plain,
+        "get_plain": lambda: r.get_plain(pickle.loads, None),
+        "get_record": lambda: r.get_record(pickle.loads, None),
+        "next": r.next,
+        "check_evicted": r.check_evicted,
+    }
+    for name, read in reads.items():
+        with pytest.raises(_Evicted) as caught:
+            read()
+        assert caught.value.args == (250,), name
+    assert (r.tail, r.count) == (record_size(len(pickle.dumps(0))), 1)
+
+    def marked_while_loading(view: memoryview) -> Any:
+        words[mark] = 7  # as if the writer evicted the reader during this load
+        raise ValueError("torn bytes")  # what a load of overwritten bytes may do
+
+    for get in (r.get_plain, r.get_record):
+        words[mark] = 0
+        with pytest.raises(_Evicted) as caught:
+            get(marked_while_loading, None)
+        assert caught.value.args == (7,)
+        assert r.count == 1
+    words[mark] = 0
+    assert r.get_plain(pickle.loads, None) == 1
+
+
 @needs_compiled
 def test_a_view_handed_out_keeps_the_memory_until_it_goes() -> None:
     """A payload view outlives its core's release: the mapping stays until the view dies."""

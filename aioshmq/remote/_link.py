@@ -55,6 +55,7 @@ class Link:
         self.index = index
         self.heartbeat = heartbeat
         self.reason = ""  # why the stream was cut off, once it was
+        self.evicted: float | None = None  # the writer's slow_reader_timeout, if it evicted us
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context(io_threads=1)
         try:
             sock = self._sock = self._ctx.socket(zmq.DEALER)
@@ -211,6 +212,9 @@ class Link:
                             resumed = sent = now
                     elif tag == W.REFUSE:
                         refusal = W.unpack_json(head)
+                        after = refusal.get("timeout")
+                        if refusal.get("error") == "evicted" and isinstance(after, int | float):
+                            self.evicted = float(after)
                         return f"the writer gave this reader up: {refusal.get('message')}"
             if now - heard > timeout and cut is None and ended is None:
                 return f"no word from the writer for {timeout:g} s"

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import threading
 from collections.abc import Callable
 from typing import Any
 
+import anyio
+
 from .. import _reader, _writer
-from .._errors import PeerDied
+from .._errors import PeerDied, ReaderEvicted
 from .._handle import Handle
 from .._notify import NotifierKind
 from .._reader import Reader
@@ -256,7 +259,21 @@ def attach(m: Mirror, timeout: float | None, spin: float) -> Reader[Any]:
     where = f"from {m.address} (pid {link.writer_pid} on {link.writer_host})"
     local._source = (where, link.writer_pid)
     local._source_note = m.reason  # type: ignore[method-assign]
+    local._cut_off = functools.partial(_cut_off, local._cut_off, link)  # type: ignore[method-assign]
     return local
+
+
+def _cut_off(
+    default: Callable[[], anyio.BrokenResourceError], link: Link
+) -> anyio.BrokenResourceError:
+    """ReaderEvicted if the remote writer evicted this reader, else what any relay says."""
+    if link.evicted is None:
+        return default()
+    return ReaderEvicted(
+        f"{link.reason}; every message that fully arrived was delivered",
+        index=link.index,
+        timeout=link.evicted,
+    )
 
 
 def _run_quietly(m: Mirror) -> None:

@@ -200,7 +200,7 @@ class Server:
         except CorruptedError:
             self._drop(remote, dead=True)
         except ReaderEvicted as exc:
-            self._refuse(remote.rid, "evicted", str(exc))
+            self._refuse(remote.rid, "evicted", str(exc), timeout=exc.timeout)
             self._drop(remote, dead=False)
 
     def _send(self, remote: _Remote, frames: list[Any], copy: bool = True) -> None:
@@ -353,11 +353,11 @@ class Server:
         if remote.end is not None and (pos, count) == remote.end:
             self._drop(remote, dead=False)  # it has everything: the slot is done with
 
-    def _refuse(self, rid: bytes, code: str, message: str) -> None:
+    def _refuse(self, rid: bytes, code: str, message: str, **more: object) -> None:
         self.refused += 1
         try:
             self._router.send_multipart(
-                [rid, W.pack_json(W.REFUSE, {"error": code, "message": message})]
+                [rid, W.pack_json(W.REFUSE, {"error": code, "message": message, **more})]
             )
         except zmq.ZMQError:
             pass
