@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import gc
 import inspect
 import multiprocessing
 import os
@@ -92,32 +91,6 @@ def children() -> Iterator[Children]:
         yield kids
     finally:
         kids.kill_all()
-
-
-@pytest.fixture(autouse=True)
-def _no_leak() -> Iterator[None]:
-    """Every test closes the ends it opens and leaves no ring memory mapped or held.
-
-    (Event loops keep fds of their own across tests, so this looks only at ours; the leak
-    tests count every fd over many cycles.)
-    """
-    yield
-    from aioshmq import _end
-
-    def leaks() -> tuple[list[Any], list[str]]:
-        return [end for end in _end._live if not end._closed], _ring_fds()
-
-    if any(leaks()):  # a full collection costs ~60 ms: only when something looks left over
-        gc.collect()
-        open_ends, fds = leaks()
-        assert not open_ends, f"ends left open by this test: {open_ends}"
-        assert not fds, f"ring memory still held by this process: {fds}"
-
-
-def _ring_fds() -> list[str]:
-    from aioshmq.testing import ring_memory  # the plugin's own check, which users get
-
-    return sorted(ring_memory())
 
 
 # -- timeouts that hold on every backend -------------------------------------------------------
