@@ -72,10 +72,50 @@ def test_a_pytest_asyncio_suite_with_a_session_client_and_xdist(
                 await writer.put({"k": k})
                 assert await a.get() == await b.get() == {"k": k}
             """
-        )
+        ),
+        test_scopes=textwrap.dedent(
+            """
+            import asyncio
+
+            import pytest
+            import pytest_asyncio
+
+            import aioshmq
+
+            loops = []
+
+
+            @pytest_asyncio.fixture(scope="module", loop_scope="module")
+            async def module_writer():
+                async with aioshmq.create(capacity=4096, readers=1) as writer:
+                    yield writer
+
+
+            @pytest.mark.asyncio(loop_scope="module")
+            @pytest.mark.parametrize("k", range(2))
+            async def test_module_loop(module_writer, k):
+                loops.append(asyncio.get_running_loop())
+                async with await aioshmq.aconnect(module_writer.name) as r:
+                    await module_writer.put(k)
+                    assert await r.get() == k
+
+
+            @pytest.mark.asyncio(loop_scope="module")
+            async def test_the_module_loop_was_shared():
+                assert len(loops) == 2 and loops[0] is loops[1] is asyncio.get_running_loop()
+
+
+            @pytest.mark.asyncio(loop_scope="function")
+            async def test_function_loop(aioshmq_ring):
+                assert asyncio.get_running_loop() not in loops
+                writer, (r,) = aioshmq_ring()
+                await writer.put("own loop")
+                assert await r.get() == "own loop"
+            """
+        ),
     )
     result = _run(pytester, "-n", "2", "--aioshmq-leaks")
-    result.assert_outcomes(passed=10)
+    result.assert_outcomes(passed=14)
 
 
 def test_anyio_backends_and_the_process_reaper(pytester: pytest.Pytester) -> None:
@@ -94,9 +134,27 @@ def test_anyio_backends_and_the_process_reaper(pytester: pytest.Pytester) -> Non
             pytestmark = pytest.mark.anyio
 
 
-            @pytest.fixture(params=["asyncio", "trio"])
+            @pytest.fixture(
+                params=[
+                    "asyncio",
+                    pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
+                    "trio",
+                ]
+            )
             def anyio_backend(request):
                 return request.param
+
+
+            async def test_the_loop_is_the_one_asked_for(anyio_backend):
+                import sniffio
+
+                if anyio_backend == "trio":
+                    assert sniffio.current_async_library() == "trio"
+                else:
+                    import asyncio
+
+                    module = type(asyncio.get_running_loop()).__module__
+                    assert module.startswith("uvloop") == isinstance(anyio_backend, tuple)
 
 
             def child(name):
@@ -125,7 +183,8 @@ def test_anyio_backends_and_the_process_reaper(pytester: pytest.Pytester) -> Non
         )
     )
     result = _run(pytester, "-v")
-    result.assert_outcomes(passed=2, failed=2)
+    result.assert_outcomes(passed=6, failed=3)
+    result.stdout.fnmatch_lines(["*test_a_child_reads?uvloop? PASSED*"])
     result.stdout.fnmatch_lines(["*failed on purpose*"])
     assert result.duration < 120  # the sleeping children were killed, not waited for
 
