@@ -20,18 +20,24 @@ import sys
 import time
 import zlib
 from collections.abc import Awaitable, Callable
-from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from types import ModuleType
 from typing import Any, TypedDict
 
 import anyio
 
 import aioshmq
 
+if sys.platform == "win32":  # Pipe() returns these there, and type checkers may check every OS
+    from multiprocessing.connection import PipeConnection as Connection
+else:
+    from multiprocessing.connection import Connection
+
+numpy: ModuleType | None
 try:
     import numpy
 except ImportError:  # numpy is optional: without it every message is a dict
-    numpy = None  # type: ignore[assignment]
+    numpy = None
 
 CAPACITY = 1 << 20  # bytes of ring
 MAX_MESSAGES = 4096  # messages the ring holds for the slowest reader
@@ -73,17 +79,20 @@ def make_message(seq: int, total: int) -> Any:
 
 
 def seq_of(msg: Any) -> int:
-    return int(msg["seq"]) if isinstance(msg, dict) else int(msg[0])
+    match msg:
+        case {"seq": int(seq)}:
+            return seq
+        case _:
+            return int(msg[0])
 
 
 def content(msg: Any) -> bytes | memoryview:
     """The bytes that the count, size and checksum are computed over."""
-    if isinstance(msg, dict):
-        seq: int = msg["seq"]
-        text: str = msg["text"]
-        blob: bytes = msg["blob"]
-        return seq.to_bytes(8, "little") + text.encode() + blob
-    return memoryview(msg).cast("B")  # a numpy array: its raw contents
+    match msg:
+        case {"seq": int(seq), "text": str(text), "blob": bytes(blob)}:
+            return seq.to_bytes(8, "little") + text.encode() + blob
+        case _:
+            return memoryview(msg).cast("B")  # a numpy array: its raw contents
 
 
 def add(summary: Summary, msg: Any) -> None:
@@ -210,8 +219,19 @@ async def write_all(args: argparse.Namespace, workers: Workers) -> tuple[Summary
     return sent, started, wakeups
 
 
+def run_writer(
+    args: argparse.Namespace, workers: Workers
+) -> tuple[Summary, float, int, list[dict[str, Any]]] | str:
+    """What write_all returns and the workers' reports; or the error that stopped the writer."""
+    try:
+        sent, started, wakeups = run_backend(args.backend, write_all, args, workers)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return sent, started, wakeups, workers.collect(RESULT_TIMEOUT)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--workers", type=int, default=3, help="reader processes (default 3)")
     parser.add_argument("--messages", type=int, default=20000, help="messages (default 20000)")
     parser.add_argument(
@@ -222,22 +242,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("need --workers >= 1 and --messages >= 0")
 
     workers = Workers()
-    error: str | None = None
     try:
-        try:
-            sent, started, wakeups = run_backend(args.backend, write_all, args, workers)
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-        else:
-            reports = workers.collect(RESULT_TIMEOUT)
+        outcome = run_writer(args, workers)
     finally:
         codes = workers.reap(RESULT_TIMEOUT)  # always: no worker outlives this function
-    if error is not None:
-        print(f"writer failed: {error}")
+    if isinstance(outcome, str):
+        print(f"writer failed: {outcome}")
         for proc, code in zip(workers.procs, codes, strict=True):
             print(f"{proc.name}: exit code {code}")
         print("FAILED")
         return 1
+    sent, started, wakeups, reports = outcome
 
     print(
         f"sent {sent['count']} messages, {sent['nbytes']} bytes, crc32 {sent['crc']:08x} "

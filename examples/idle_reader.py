@@ -35,7 +35,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--seconds", type=float, default=5.0)
     args = parser.parse_args()
     ctx = multiprocessing.get_context("spawn")

@@ -28,16 +28,18 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
-from typing import Any
+from types import ModuleType
+from typing import Any, cast
 
 import anyio
 
 from aioshmq import rpc
 
+numpy: ModuleType | None
 try:
     import numpy
 except ImportError:  # numpy is optional: without it no call carries an array
-    numpy = None  # type: ignore[assignment]
+    numpy = None
 
 WORKERS = 4
 BATCH = 64  # calls queued per loop turn
@@ -73,6 +75,7 @@ class Jobs:
         return self.rank, label, job["seq"]
 
     def total(self, values: Any) -> float:
+        assert numpy is not None  # only a scheduler with numpy sends arrays
         return float(values.sum(dtype=numpy.float64))
 
 
@@ -139,7 +142,7 @@ def make_arrays() -> list[tuple[Any, float]]:
     """ARRAYS arrays of whole numbers (so every sum is exact in float64) and their sums."""
     if numpy is None:
         return []
-    arrays = []
+    arrays: list[tuple[Any, float]] = []
     for i in range(ARRAYS):
         values = (numpy.arange(ARRAY_ITEMS, dtype=numpy.int64) * (i + 1) % 1009).astype(
             numpy.float32
@@ -178,8 +181,8 @@ async def check(seq: int, call: rpc.Call, expected: Any, run: Run) -> None:
 
 def describe(exc: BaseException) -> str:
     """The exception, or the first one an exception group holds (anyio task groups wrap)."""
-    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
-        exc = exc.exceptions[0]
+    while isinstance(exc, BaseExceptionGroup):  # a group is never empty
+        exc = cast("BaseExceptionGroup[BaseException]", exc).exceptions[0]
     return f"{type(exc).__name__}: {exc}"
 
 
@@ -219,8 +222,17 @@ async def main_async(args: argparse.Namespace, workers: Workers) -> Run:
     return run
 
 
+def run_scheduler(args: argparse.Namespace, workers: Workers) -> Run | str:
+    """What the scheduler did, or the error that stopped it."""
+    try:
+        run: Run = run_backend(args.backend, main_async, args, workers)
+    except Exception as exc:
+        return describe(exc)
+    return run
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--seconds", type=float, default=5.0, help="how long to call (default 5)")
     parser.add_argument(
         "--backend", choices=["asyncio", "uvloop", "trio"], default="asyncio", help="event loop"
@@ -231,21 +243,17 @@ def main(argv: list[str] | None = None) -> int:
 
     workers = Workers()
     try:
-        try:
-            run: Run = run_backend(args.backend, main_async, args, workers)
-        except Exception as exc:
-            error: str | None = describe(exc)
-        else:
-            error = None
+        outcome = run_scheduler(args, workers)
     finally:
         codes = workers.reap(REAP_TIMEOUT)  # always: no worker outlives this function
     failed = [f"worker-{rank}: exit code {code}" for rank, code in enumerate(codes) if code != 0]
-    if error is not None:
-        print(f"scheduler failed: {error}")
+    if isinstance(outcome, str):
+        print(f"scheduler failed: {outcome}")
         for line in failed:
             print(line)
         print("FAILED")
         return 1
+    run = outcome
 
     assert run.stats is not None
     print(

@@ -87,3 +87,14 @@ def test_pyright_sees_the_same_types(tmp_path: Path) -> None:
     marked = {i for i, line in enumerate(text.splitlines(), 1) if "# type: ignore[" in line}
     found = {int(n) for n in re.findall(r"bare\.py:(\d+):\d+ - error", out)}
     assert found == marked, out
+
+
+@pytest.mark.slow  # mypy and pyright over the examples: about 30 s
+def test_the_examples_are_clean_under_both_checkers(tmp_path: Path) -> None:
+    examples = sorted((HERE.parent / "examples").glob("*.py"))
+    assert len(examples) >= 3
+    for example in examples:
+        out, status = _mypy(example, tmp_path / "cache")
+        assert status == 0, out
+    out, status = _pyright(HERE.parent / "examples", tmp_path)
+    assert status == 0 and "0 errors" in out, out
