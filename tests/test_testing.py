@@ -82,32 +82,24 @@ def test_a_pytest_asyncio_suite_with_a_session_client_and_xdist(
 
             import aioshmq
 
-            loops = []
-
-
             @pytest_asyncio.fixture(scope="module", loop_scope="module")
             async def module_writer():
                 async with aioshmq.create(capacity=4096, readers=1) as writer:
-                    yield writer
+                    yield writer, asyncio.get_running_loop()
 
 
             @pytest.mark.asyncio(loop_scope="module")
             @pytest.mark.parametrize("k", range(2))
             async def test_module_loop(module_writer, k):
-                loops.append(asyncio.get_running_loop())
-                async with await aioshmq.aconnect(module_writer.name) as r:
-                    await module_writer.put(k)
+                writer, loop = module_writer
+                assert asyncio.get_running_loop() is loop  # the fixture's, shared
+                async with await aioshmq.aconnect(writer.name) as r:
+                    await writer.put(k)
                     assert await r.get() == k
-
-
-            @pytest.mark.asyncio(loop_scope="module")
-            async def test_the_module_loop_was_shared():
-                assert len(loops) == 2 and loops[0] is loops[1] is asyncio.get_running_loop()
 
 
             @pytest.mark.asyncio(loop_scope="function")
             async def test_function_loop(aioshmq_ring):
-                assert asyncio.get_running_loop() not in loops
                 writer, (r,) = aioshmq_ring()
                 await writer.put("own loop")
                 assert await r.get() == "own loop"
@@ -115,7 +107,7 @@ def test_a_pytest_asyncio_suite_with_a_session_client_and_xdist(
         ),
     )
     result = _run(pytester, "-n", "2", "--aioshmq-leaks")
-    result.assert_outcomes(passed=14)
+    result.assert_outcomes(passed=13)
 
 
 def test_anyio_backends_and_the_process_reaper(pytester: pytest.Pytester) -> None:
