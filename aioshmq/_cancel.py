@@ -22,7 +22,7 @@ from typing import Any
 
 from anyio.lowlevel import checkpoint, checkpoint_if_cancelled
 
-__all__ = ["pending_checkpoint"]
+__all__ = ["current_task", "pending_checkpoint"]
 
 Checkpoint = Callable[[], Awaitable[None]]
 
@@ -31,6 +31,7 @@ _current_tasks: dict[Any, Any] | None = getattr(asyncio.tasks, "_current_tasks",
 _current_task: Callable[[Any], Any] = (
     _current_tasks.get if _current_tasks is not None else asyncio.current_task
 )
+current_task = _current_task  # the task a loop runs now, without a getpid()
 
 _states: Any
 try:  # anyio's per-task record of the innermost cancel scope (asyncio backend)
@@ -45,8 +46,12 @@ except ImportError:  # pragma: no cover - another anyio: the public function ser
 _get_ident = threading.get_ident
 _seen: list[Any] = [0, None]  # [thread id, loop]
 
-# The task looked up last, and its anyio state: a loop of puts asks about the same one.
-_last: list[Any] = [None, None]  # [weakref to the task, its TaskState]
+# Tasks looked up lately, and their anyio states: anyio keeps them in a WeakKeyDictionary,
+# whose Python-level get() costs more than the rest of this check, and the few tasks that
+# use an end (a pinging and an echoing one, say) ask again and again.  A state lives as
+# long as its task, so one found for a live task is still its own.
+_CACHED = 64
+_cache: dict[int, tuple[Any, Any]] = {}  # id(task) -> (weakref to the task, its TaskState)
 _fast = [_states is not None]  # whether anyio's task state is usable here (read, never written)
 
 
@@ -78,15 +83,16 @@ def pending_checkpoint() -> Checkpoint | None:
             return checkpoint_if_cancelled
     if not _fast[0]:  # anyio's internals are not what this expects
         return checkpoint_if_cancelled
-    last = _last
-    ref = last[0]
-    if ref is not None and ref() is task:
-        state = last[1]
+    entry = _cache.get(id(task))
+    if entry is not None and entry[0]() is task:
+        state = entry[1]
     else:
         state = _states.get(task)
         if state is None:  # no anyio scope around this task (yet): nothing can cancel it
             return None
-        last[0], last[1] = weakref.ref(task), state
+        if len(_cache) >= _CACHED:  # entries of tasks that ended: start afresh
+            _cache.clear()
+        _cache[id(task)] = (weakref.ref(task), state)
     try:
         scope = state.cancel_scope
         while scope is not None:

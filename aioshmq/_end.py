@@ -17,6 +17,7 @@ from typing import Self
 import anyio
 from anyio.lowlevel import checkpoint
 
+from ._cancel import current_task as _current_task
 from ._notify import Notifier
 
 YIELD_INTERVAL = 0.001  # an end that never has to wait still yields to the loop this often
@@ -250,13 +251,21 @@ class End:
         """Wait until the wait fd is readable (the caller holds the end: ``_hold``)."""
         self._waiting += 1
         try:
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:
-                loop = None
-            if loop is None or asyncio.current_task(loop) is None:  # trio, or a trio guest
-                await anyio.wait_readable(self._wait_fd)
-                return
+            loop = self._loop
+            # The loop the fd is registered with, if this thread runs it now (a thread runs
+            # one loop at a time): asyncio's own lookup makes a getpid() system call.
+            if (
+                loop is None
+                or self._loop_thread != threading.get_ident()
+                or _current_task(loop) is None
+            ):
+                try:
+                    loop = asyncio.get_running_loop()
+                except RuntimeError:
+                    loop = None
+                if loop is None or asyncio.current_task(loop) is None:  # trio, a trio guest
+                    await anyio.wait_readable(self._wait_fd)
+                    return
             # Registered once, not per sleep: add_reader and remove_reader are two syscalls,
             # each a large share of a wake-up's cost.
             if self._loop is not loop:

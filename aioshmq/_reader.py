@@ -405,18 +405,42 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
             self._check()
         elif (cancelled := pending_checkpoint()) is not None:
             await cancelled()
-        if not self._lock.locked():
+        lock, ring = self._lock, self._ring
+        looked = False  # found the ring empty: wait before looking again
+        if not lock.locked():
             if not self._pending and self._deferred is None:
-                obj = self._ring.get_plain(self._loads_plain, _EMPTY)
+                obj = ring.get_plain(self._loads_plain, _EMPTY)
                 if obj is not _EMPTY:
                     return obj  # type: ignore[no-any-return]
-            obj = self._poll()
-            if obj is not _EMPTY:
-                return obj  # type: ignore[no-any-return]
-        async with self._lock:
-            while (obj := self._poll()) is _EMPTY:
-                await self._wait()
-            return obj  # type: ignore[no-any-return]
+                looked = ring.tail == ring.head
+            if not looked:
+                obj = self._poll()
+                if obj is not _EMPTY:
+                    return obj  # type: ignore[no-any-return]
+            # Taken without a checkpoint (the one above was this call's): uncontended, the
+            # lock costs a few attribute stores instead of anyio's cancellation checks.
+            try:
+                lock.acquire_nowait()
+            except anyio.WouldBlock:
+                await lock.acquire()
+                looked = False
+        else:
+            await lock.acquire()
+        try:
+            while True:
+                if looked:
+                    await self._wait()
+                    # A message after a sleep is most often a plain one: the one-call path.
+                    if not self._pending and self._deferred is None:
+                        obj = ring.get_plain(self._loads_plain, _EMPTY)
+                        if obj is not _EMPTY:
+                            return obj  # type: ignore[no-any-return]
+                obj = self._poll()
+                if obj is not _EMPTY:
+                    return obj  # type: ignore[no-any-return]
+                looked = True
+        finally:
+            lock.release()
 
     receive = get  # the anyio stream interface: the same function, so no extra frame
 

@@ -1,0 +1,62 @@
+"""The cost of aioshmq's own sleep and wake-up path, without another process's noise.
+
+    python tools/wake_cycle.py [--uvloop] [--rounds 20000]
+
+Two tasks on one event loop ping-pong the bench's 100-byte dict over two rings whose
+readers never spin: every message puts a reader to sleep and wakes it through its eventfd
+and the loop, so a round trip is two puts, two gets, two sleeps and two wake-ups, all on
+one CPU.  What ``tools/latency_pair.py`` shows across processes, this shows with the
+other process's scheduling (and the VM's) left out: the figure moves only with our code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import anyio
+
+import aioshmq
+from aioshmq._bench._workload import small_object
+
+
+async def _cycle(rounds: int) -> list[float]:
+    with (
+        aioshmq.create(1 << 20) as out,
+        aioshmq.create(1 << 20) as back,
+        aioshmq.connect(out.name, spin=0) as forward,
+        aioshmq.connect(back.name, spin=0) as returned,
+    ):
+
+        async def echo() -> None:
+            while (msg := await forward.get()) is not None:
+                await back.put(msg)
+
+        figures = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(echo)
+            msg = small_object(0)
+            for _ in range(3):  # the first is a warm-up
+                start = time.perf_counter()
+                for _ in range(rounds):
+                    await out.put(msg)
+                    await returned.get()
+                figures.append((time.perf_counter() - start) / rounds * 1e6)
+            await out.put(None)
+    return figures[1:]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--uvloop", action="store_true")
+    parser.add_argument("--rounds", type=int, default=20000)
+    args = parser.parse_args()
+    figures = anyio.run(
+        _cycle, args.rounds, backend="asyncio", backend_options={"use_uvloop": args.uvloop}
+    )
+    loop = "uvloop" if args.uvloop else "asyncio"
+    print(f"{loop}: " + ", ".join(f"{f:.2f}" for f in figures) + " us a round trip")
+
+
+if __name__ == "__main__":
+    main()
