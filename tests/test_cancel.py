@@ -129,3 +129,31 @@ async def test_the_cheap_path_is_in_use_on_asyncio(anyio_backend: str) -> None:
         assert await r.get() == 1
         assert _cancel.pending_checkpoint() is None
     assert _cancel._fast[0], "anyio's task state is not what aioshmq._cancel expects"
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_tasks_taking_turns_each_get_their_own_answer(anyio_backend: str) -> None:
+    """The check caches each task's state: tasks that alternate (a ping and an echo) never
+    see one another's cancellation, and a task that ends leaves nothing behind."""
+    answers: dict[str, list[bool]] = {"calm": [], "cancelled": []}
+    turn = [anyio.Event(), anyio.Event()]
+
+    async def ask(name: str, me: int, cancel: bool) -> None:
+        with anyio.CancelScope() as scope:
+            if cancel:
+                scope.cancel()
+            for _ in range(3):
+                with anyio.CancelScope(shield=True):  # waits even in the cancelled scope
+                    await turn[me].wait()
+                turn[me] = anyio.Event()
+                answers[name].append(_cancel.pending_checkpoint() is not None)
+                turn[1 - me].set()
+        assert scope.cancel_called == cancel
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ask, "calm", 0, False)
+        tg.start_soon(ask, "cancelled", 1, True)
+        await anyio.wait_all_tasks_blocked()
+        turn[0].set()
+    assert answers == {"calm": [False] * 3, "cancelled": [True] * 3}
+    assert len(_cancel._cache) <= _cancel._CACHED
