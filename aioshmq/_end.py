@@ -19,6 +19,7 @@ from anyio.lowlevel import checkpoint
 
 from ._cancel import current_task as _current_task
 from ._notify import Notifier
+from ._tasklock import TaskLock
 
 YIELD_INTERVAL = 0.001  # an end that never has to wait still yields to the loop this often
 CLOSE_WAIT = 5.0  # s: how long close() waits for calls blocked in other threads to leave
@@ -65,7 +66,7 @@ class End:
         self._clean = True
         self._pid = os.getpid()
         self._forked = False
-        self._lock = anyio.Lock(fast_acquire=True)
+        self._lock = TaskLock()
         self._waiting = 0
         self._next_yield = 0.0
         self._wait_fd = -1

@@ -417,8 +417,6 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
                 obj = self._poll()
                 if obj is not _EMPTY:
                     return obj  # type: ignore[no-any-return]
-            # Taken without a checkpoint (the one above was this call's): uncontended, the
-            # lock costs a few attribute stores instead of anyio's cancellation checks.
             try:
                 lock.acquire_nowait()
             except anyio.WouldBlock:
