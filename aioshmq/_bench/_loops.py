@@ -164,15 +164,27 @@ async def drain(
 
 
 async def ping(
-    tx: Sender, rx: Receiver, workload: Workload, *, warmup: int, rounds: int, seconds: float
+    tx: Sender,
+    rx: Receiver,
+    workload: Workload,
+    *,
+    warmup: int,
+    rounds: int,
+    seconds: float,
+    first: int = 0,
+    stop: bool = True,
 ) -> list[float]:
-    """Round trips through an echoing peer, in microseconds (the first ``warmup`` not kept)."""
-    await tx.wait_ready()
+    """Round trips through an echoing peer, in microseconds (the first ``warmup`` not kept).
+
+    Messages are numbered from ``first``; with ``stop=False`` the peer is left echoing, so
+    that a later call can go on where this one ended."""
+    if first == 0:
+        await tx.wait_ready()
     samples: list[float] = []
     deadline = float("inf")
     clock = time.perf_counter_ns
-    for i in range(warmup + rounds):
-        if i == warmup:
+    for i in range(first, first + warmup + rounds):
+        if i == first + warmup:
             deadline = time.monotonic() + seconds
         msg = workload.make(i)
         start = clock()
@@ -181,11 +193,12 @@ async def ping(
         took = clock() - start
         if reply is STOP or (isinstance(reply, dict) and reply["seq"] != i):
             raise AssertionError(f"round trip {i} came back as {reply!r}")
-        if i >= warmup:
+        if i >= first + warmup:
             samples.append(took / 1000)
             if time.monotonic() > deadline:
                 break
-    await tx.send(STOP)
+    if stop:
+        await tx.send(STOP)
     return samples
 
 

@@ -7,6 +7,7 @@ fails is reported as failed and the run goes on.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import os
 import statistics
@@ -14,7 +15,8 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -248,56 +250,113 @@ def _throughput(
     return {"throughput": statistics.median(rates)}
 
 
-async def _pingpong(peer: Peer, workload: Workload, budget: Budget) -> list[float]:
-    """Round trips from this process through a child that echoes, over two channels."""
-    with anyio.fail_after(MEASURE_TIMEOUT):
-        forward, back = peer.channel(1), peer.channel(1)
+LATENCY_BLOCK = 100  #: round trips a peer makes in its turn when peers take turns
+
+
+async def _pingpong(
+    peers: Sequence[Peer], workload: Workload, budget: Budget, split: bool = False
+) -> list[list[float]]:
+    """Round trips from this process through a child per peer that echoes, over two
+    channels each.  Several peers take turns, LATENCY_BLOCK round trips at a time, so that
+    each sees the machine as the others do: on a shared VM the floor moves by half within
+    minutes, and a ratio of figures taken one after the other moves with it."""
+    with anyio.fail_after(MEASURE_TIMEOUT * len(peers)), ExitStack() as stack:
+        senders = []
+        for peer in peers:
+            forward, back = peer.channel(1), peer.channel(1)
+            stack.callback(back.close)
+            stack.callback(forward.close)
+            senders.append((forward, back, forward.sender()))
+            stack.callback(senders[-1][2].close)
+        kids = stack.enter_context(Children())
+        backend = "uvloop" if _on_uvloop() else "asyncio"
+        cpus = sorted(os.sched_getaffinity(0))
+        if split:  # the echoes on one CPU (they inherit it), this process on another
+            os.sched_setaffinity(0, {cpus[-1]})
         try:
-            tx = forward.sender()
-            try:
-                with Children() as kids:
-                    kids.start(f"{peer.name}-echo", echo_main, forward, back, "asyncio")
-                    await anyio.to_thread.run_sync(kids.ready)
-                    rx = back.receiver(0)
-                    try:
-                        samples = await ping(
-                            tx,
-                            rx,
-                            workload,
-                            warmup=budget.warmup_round_trips,
-                            rounds=budget.round_trips,
-                            seconds=budget.latency_seconds,
-                        )
-                        await anyio.to_thread.run_sync(kids.results)
-                    finally:
-                        rx.close()
-            finally:
-                tx.close()
+            for peer, (forward, back, _) in zip(peers, senders, strict=True):
+                kids.start(f"{peer.name}-echo", echo_main, forward, back, backend)
         finally:
-            forward.close()
-            back.close()
+            os.sched_setaffinity(0, {cpus[0]} if split else cpus)
+        if split:
+            stack.callback(os.sched_setaffinity, 0, cpus)
+        await anyio.to_thread.run_sync(kids.ready)
+        pairs = []
+        for _, back, tx in senders:
+            pairs.append((tx, back.receiver(0)))
+            stack.callback(pairs[-1][1].close)
+        warmup = budget.warmup_round_trips
+        for tx, rx in pairs:
+            await ping(tx, rx, workload, warmup=warmup, rounds=0, seconds=0, stop=False)
+        samples: list[list[float]] = [[] for _ in peers]
+        deadline = time.monotonic() + budget.latency_seconds * len(peers)
+        first = warmup
+        while min(map(len, samples)) < budget.round_trips and time.monotonic() < deadline:
+            turns = list(zip(pairs, samples, strict=True))
+            if first // LATENCY_BLOCK % 2:  # each peer goes first as often as the others
+                turns.reverse()
+            for (tx, rx), kept in turns:
+                kept += await ping(
+                    tx,
+                    rx,
+                    workload,
+                    warmup=0,
+                    rounds=min(LATENCY_BLOCK, budget.round_trips - len(kept)),
+                    seconds=float("inf"),
+                    first=first,
+                    stop=False,
+                )
+            first += LATENCY_BLOCK
+        for tx, _ in pairs:
+            await tx.send(STOP)
+        await anyio.to_thread.run_sync(kids.results)
     return samples
 
 
+def _on_uvloop() -> bool:
+    loop = asyncio.get_running_loop()
+    return type(loop).__module__.startswith("uvloop")
+
+
 def _latency(
-    bench: Bench, peer: Peer, params: dict[str, Any], *, hogs: int = 0, one_cpu: bool = False
+    bench: Bench,
+    peer: Peer,
+    params: dict[str, Any],
+    *,
+    hogs: int = 0,
+    one_cpu: bool = False,
+    split: bool = False,
+    beside: tuple[Peer, dict[str, list[float]]] | None = None,
+    backend: str = "asyncio",
 ) -> dict[str, float]:
     """Round trips; with ``hogs``, that many busy-looping processes load the CPUs meanwhile;
-    with ``one_cpu``, both processes of the ping-pong share one CPU."""
-    busy = [
-        subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
-        for _ in range(hogs)
-    ]
-    cpus = os.sched_getaffinity(0)
-    if one_cpu:  # the processes started meanwhile inherit it
-        os.sched_setaffinity(0, {min(cpus)})
-    try:
-        samples = run_backend("asyncio", _pingpong, peer, Workload("small"), bench.budget)
-    finally:
-        os.sched_setaffinity(0, cpus)
-        for proc in busy:
-            proc.kill()
-            proc.wait()
+    with ``one_cpu``, both processes of the ping-pong share one CPU; with ``split``, each
+    side has a CPU of its own; with ``beside``, this peer and that one take turns in one
+    run (the first of the two calls makes the run and leaves the other's samples in the
+    dict)."""
+    if beside is not None and peer.name in beside[1]:
+        samples = beside[1].pop(peer.name)
+    else:
+        busy = [
+            subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+            for _ in range(hogs)
+        ]
+        cpus = os.sched_getaffinity(0)
+        if one_cpu:  # the processes started meanwhile inherit it
+            os.sched_setaffinity(0, {min(cpus)})
+        peers = [peer] if beside is None else [peer, beside[0]]
+        try:
+            runs = run_backend(backend, _pingpong, peers, Workload("small"), bench.budget, split)
+        finally:
+            os.sched_setaffinity(0, cpus)
+            for proc in busy:
+                proc.kill()
+                proc.wait()
+        samples = runs[0]
+        if beside is not None:
+            beside[1][beside[0].name] = runs[1]
+    if beside is not None:
+        params["taking_turns_with"] = beside[0].name
     samples.sort()
     params["round_trips"] = len(samples)
     return {
@@ -487,16 +546,41 @@ def latency(bench: Bench) -> None:
             partial(_latency, bench, peer),
             absent=peer.missing(),
         )
-    for peer in (AIOSHMQ_ASLEEP, EVENTFD):
-        bench.measure(
-            "latency",
-            "round trip, peer asleep",
-            peer.name,
-            {"p50": "us", "p99": "us"},
-            {"object_bytes": 100, "how": peer.how, "backend": "asyncio"},
-            partial(_latency, bench, peer),
-            absent=peer.missing(),
-        )
+    # Every message wakes a sleeping peer, as the floor's do, and aioshmq and the floor take
+    # turns in one run, so that their ratio is not the VM's drift between two runs.  Where
+    # the two sides run decides the figure more than either transport does: a wake-up on
+    # the waker's own CPU is a context switch, one on the other CPU wakes a halted vCPU.
+    # Left to the scheduler, one pair may share a CPU while the other does not.
+    placements = (
+        ("", "the two sides on two CPUs"),
+        (", unpinned", "where the scheduler puts them"),
+        (", both on one CPU", "both processes on one CPU"),
+    )
+    for backend in ("asyncio", "uvloop"):
+        absent = None if importlib.util.find_spec(backend) else "not installed"
+        for suffix, where in placements:
+            if backend == "uvloop" and suffix:
+                continue  # one placement is enough to compare the loops
+            case = "round trip, peer asleep" + (", uvloop" if backend == "uvloop" else suffix)
+            shared: dict[str, list[float]] = {}
+            for peer, other in ((AIOSHMQ_ASLEEP, EVENTFD), (EVENTFD, AIOSHMQ_ASLEEP)):
+                bench.measure(
+                    "latency",
+                    case,
+                    peer.name,
+                    {"p50": "us", "p99": "us"},
+                    {"object_bytes": 100, "how": peer.how, "backend": backend, "cpus": where},
+                    partial(
+                        _latency,
+                        bench,
+                        peer,
+                        beside=(other, shared),
+                        backend=backend,
+                        split=not suffix,
+                        one_cpu="one CPU" in suffix,
+                    ),
+                    absent=absent or peer.missing(),
+                )
     # A busy machine: as many busy-looping processes as CPUs.  A reader that spins there
     # takes the CPU its peer needs; the default (adaptive) spin must not lose to spin=0.
     hogs = len(os.sched_getaffinity(0))
