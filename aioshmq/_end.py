@@ -26,6 +26,7 @@ CLOSE_WAIT = 5.0  # s: how long close() waits for calls blocked in other threads
 
 _live: weakref.WeakSet[End] = weakref.WeakSet()
 _tokens = itertools.count()
+_get_ident = threading.get_ident
 
 
 def _after_fork_in_child() -> None:
@@ -248,18 +249,42 @@ class End:
         if self._loop is None:
             self._wake.drain()
 
+    def _armable(self) -> bool:
+        """Whether the wait fd is registered with the loop running the current task."""
+        loop = self._loop
+        # A thread runs one loop at a time: asyncio's own lookup makes a getpid() call.
+        return (
+            loop is not None
+            and self._loop_thread == _get_ident()
+            and _current_task(loop) is not None
+        )
+
+    def _arm(self) -> asyncio.Future[None] | None:
+        """A future the wait fd's next wake-up completes, if the fd is registered with the
+        loop running the current task (the caller awaits it, counted in ``_waiting``);
+        else None, and the caller sleeps through ``_sleep``."""
+        return self._new_waiter() if self._armable() else None
+
+    def _new_waiter(self) -> asyncio.Future[None]:
+        """The future for ``_arm``, whose caller made sure the fd is registered."""
+        assert self._loop is not None
+        self._waiter = waiter = self._loop.create_future()
+        if self._closed:
+            # Closed by another thread as this armed: that close may have looked for the
+            # waiter before it was there, and may yet drop the registration that would
+            # complete it.  Cancelled, so that a late close that found it leaves it be.
+            waiter.cancel()
+            if self._waiter is waiter:
+                self._waiter = None
+            self._check()
+        return waiter
+
     async def _sleep(self) -> None:
         """Wait until the wait fd is readable (the caller holds the end: ``_hold``)."""
         self._waiting += 1
         try:
-            loop = self._loop
-            # The loop the fd is registered with, if this thread runs it now (a thread runs
-            # one loop at a time): asyncio's own lookup makes a getpid() system call.
-            if (
-                loop is None
-                or self._loop_thread != threading.get_ident()
-                or _current_task(loop) is None
-            ):
+            waiter = self._arm()
+            if waiter is None:
                 try:
                     loop = asyncio.get_running_loop()
                 except RuntimeError:
@@ -267,14 +292,13 @@ class End:
                 if loop is None or asyncio.current_task(loop) is None:  # trio, a trio guest
                     await anyio.wait_readable(self._wait_fd)
                     return
-            # Registered once, not per sleep: add_reader and remove_reader are two syscalls,
-            # each a large share of a wake-up's cost.
-            if self._loop is not loop:
-                # Never drained here: the sleep is announced, and its wake-up may be pending.
+                # Registered once, not per sleep: add_reader and remove_reader are two
+                # syscalls, each a large share of a wake-up's cost.  Never drained here: the
+                # sleep is announced, and its wake-up may be pending.
                 self._unregister()
                 loop.add_reader(self._wait_fd, self._on_readable)
                 self._loop, self._loop_thread = loop, threading.get_ident()
-            self._waiter = waiter = loop.create_future()
+                self._waiter = waiter = loop.create_future()
             try:
                 await waiter
             finally:

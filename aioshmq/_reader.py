@@ -305,7 +305,9 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
                 pid=self._writer_pid,
             )
 
-    async def _wait(self) -> None:
+    async def _wait(self) -> bool:
+        """Wait for a message or the writer's end: True if it slept on the wait fd (a
+        cancellation point), False if it only spun or found one without sleeping."""
         ring = self._ring
         spin = self._spinner.budget()
         if spin:
@@ -317,10 +319,12 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
                 self._check()
                 if ring.available() or ring.w[ring.w_closed]:
                     self._spinner.hit()
-                    return
+                    return False
                 if time.monotonic() >= deadline:
                     self._spinner.miss()
                     break
+        if self._armable():
+            return await self._wait_armed()
         token = self._hold(True)
         try:
             # Drained before announcing the sleep, not after waking: a signal meant for an
@@ -328,17 +332,47 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
             self._drain()
             if self._closed:  # its close wake-up was just drained: never sleep now
                 self._check()
-            if ring.prepare_sleep():
-                try:
-                    await self._sleep()
-                finally:
-                    if not self._closed:  # closed meanwhile: never touch the ring again
-                        ring.end_sleep()
-                self._check()
-                if not ring.available():
-                    self._writer_gone()
+            if not ring.prepare_sleep():
+                return False
+            try:
+                await self._sleep()
+            finally:
+                if not self._closed:  # closed meanwhile: never touch the ring again
+                    ring.end_sleep()
+            self._check()
+            if not ring.available():
+                self._writer_gone()
+            return True
         finally:
             self._unhold(token)
+
+    async def _wait_armed(self) -> bool:
+        """``_wait``'s sleep where the wait fd is registered with the loop running this task.
+
+        No hold is needed here: a close from another thread leaves the release to this loop
+        (``_loop_pending``), which runs it only once this task has yielded, and a task
+        woken by a close never touches the ring again."""
+        ring = self._ring
+        if self._closed:
+            self._check()
+        if not ring.prepare_sleep():
+            return False
+        try:
+            waiter = self._new_waiter()
+            self._waiting += 1
+            try:
+                await waiter
+            finally:
+                self._waiting -= 1
+                if self._waiter is waiter:
+                    self._waiter = None
+        finally:
+            if not self._closed:  # closed meanwhile: never touch the ring again
+                ring.end_sleep()
+        self._check()
+        if not ring.available():
+            self._writer_gone()
+        return True
 
     def _wait_sync(self, deadline: float | None) -> None:
         ring = self._ring
@@ -400,23 +434,29 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         """
         if self._closed:
             self._check()
+        lock, ring = self._lock, self._ring
+        # Whether a cancellation would have been raised by now.  A get that is bound to
+        # sleep leaves that to the sleep: awaiting the wait fd is a cancellation point.
+        checked = True
         if time.monotonic() >= self._next_yield:
             await self._pace()
             self._check()
+        elif not (self._pending or self._deferred is not None or ring.available()):
+            checked = False
         elif (cancelled := pending_checkpoint()) is not None:
             await cancelled()
-        lock, ring = self._lock, self._ring
-        looked = False  # found the ring empty: wait before looking again
+        looked = not checked  # found the ring empty: wait before looking again
         if not lock.locked():
-            if not self._pending and self._deferred is None:
-                obj = ring.get_plain(self._loads_plain, _EMPTY)
-                if obj is not _EMPTY:
-                    return obj  # type: ignore[no-any-return]
-                looked = ring.tail == ring.head
-            if not looked:
-                obj = self._poll()
-                if obj is not _EMPTY:
-                    return obj  # type: ignore[no-any-return]
+            if checked:
+                if not self._pending and self._deferred is None:
+                    obj = ring.get_plain(self._loads_plain, _EMPTY)
+                    if obj is not _EMPTY:
+                        return obj  # type: ignore[no-any-return]
+                    looked = ring.tail == ring.head
+                if not looked:
+                    obj = self._poll()
+                    if obj is not _EMPTY:
+                        return obj  # type: ignore[no-any-return]
             try:
                 lock.acquire_nowait()
             except anyio.WouldBlock:
@@ -424,15 +464,23 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
                 looked = False
         else:
             await lock.acquire()
+            looked = False
         try:
             while True:
                 if looked:
-                    await self._wait()
+                    slept = await self._wait()
+                    if not (slept or checked) and (cancelled := pending_checkpoint()):
+                        await cancelled()
+                    checked = True
                     # A message after a sleep is most often a plain one: the one-call path.
                     if not self._pending and self._deferred is None:
                         obj = ring.get_plain(self._loads_plain, _EMPTY)
                         if obj is not _EMPTY:
                             return obj  # type: ignore[no-any-return]
+                elif not checked:
+                    if cancelled := pending_checkpoint():
+                        await cancelled()
+                    checked = True
                 obj = self._poll()
                 if obj is not _EMPTY:
                     return obj  # type: ignore[no-any-return]

@@ -82,6 +82,46 @@ async def test_every_await_raises_a_pending_cancellation(call: str) -> None:
             assert r.get_nowait() == "waiting"
 
 
+@pytest.mark.parametrize("spin", [0, 0.001])
+async def test_a_get_that_would_sleep_raises_a_pending_cancellation(spin: float) -> None:
+    """On an empty ring the sleep is the cancellation point; a message that comes just as
+    the get announces its sleep (so that it never sleeps) is still not taken."""
+    with aioshmq.create(capacity=1 << 16) as w, aioshmq.connect(w.name, spin=spin) as r:
+        r._next_yield = float("inf")  # no fairness yield due: only the sleep can raise
+        r._spinner.now = 0.0  # and no spin before it
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await r.get()
+        assert scope.cancelled_caught
+        ring = r._ring
+
+        class Racing:
+            """The ring, with a message put as the reader announces its sleep."""
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(ring, name)
+
+            raced = False
+
+            def prepare_sleep(self) -> bool:
+                w.put_nowait("raced")
+                Racing.raced = True
+                return bool(ring.prepare_sleep())
+
+        r._ring = Racing()  # type: ignore[assignment]
+        try:
+            with anyio.CancelScope() as scope:
+                scope.cancel()
+                await r.get()
+            assert scope.cancelled_caught
+        finally:
+            r._ring = ring
+        await w.put("next")
+        assert [await r.get() for _ in range(1 + Racing.raced)] == ["raced"] * Racing.raced + [
+            "next"
+        ]
+
+
 async def test_a_deadline_already_past_cancels() -> None:
     with aioshmq.create(capacity=1 << 16) as w, aioshmq.connect(w.name) as r:
         with anyio.move_on_after(-1) as scope:

@@ -7,6 +7,7 @@ import gc
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -269,6 +270,60 @@ def test_close_from_another_thread_ends_an_awaiting_task(backend: str) -> None:
     w.close()
     gc.collect()
     assert _fds() == fds
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "uvloop"])
+def test_a_close_from_another_thread_as_a_task_arms_its_wait(backend: str) -> None:
+    """A close from another thread that lands just as a task of a loop arms the future it
+    is about to await (the fd is already registered with that loop): the task ends with
+    ClosedResourceError, not with a wait that nothing would ever end."""
+    import anyio
+
+    w = aioshmq.create(capacity=1 << 16)
+    r = aioshmq.connect(w.name, spin=0)
+    outcome: list[BaseException | None] = []
+    closer: list[threading.Thread] = []
+
+    def loop_thread() -> None:
+        async def main() -> None:
+            with anyio.fail_after(10):
+                await w.put(1)
+                assert await r.get() == 1
+                with anyio.move_on_after(0.01):  # the fd is registered with this loop now
+                    await r.get()
+                assert r._loop is not None
+                loop = r._loop
+                create_future = loop.create_future
+
+                def closed_meanwhile() -> Any:
+                    del loop.create_future
+                    closer.append(threading.Thread(target=r.close))
+                    closer[0].start()
+                    while not r._closed:  # the close has begun in the other thread
+                        time.sleep(0.0001)
+                    return create_future()
+
+                loop.create_future = closed_meanwhile  # type: ignore[method-assign]
+                try:
+                    await r.get()
+                except BaseException as exc:
+                    outcome.append(exc)
+                else:
+                    outcome.append(None)
+
+        if backend == "uvloop":
+            anyio.run(main, backend="asyncio", backend_options={"use_uvloop": True})
+        else:
+            anyio.run(main, backend=backend)
+
+    thread = threading.Thread(target=loop_thread, daemon=True)
+    thread.start()
+    thread.join(20)
+    assert not thread.is_alive(), "get() still waiting after the close"
+    closer[0].join(10)
+    (exc,) = outcome
+    assert isinstance(exc, anyio.ClosedResourceError), repr(exc)
+    w.close()
 
 
 @pytest.mark.anyio
