@@ -34,21 +34,20 @@ class OptionalBuildExt(build_ext):
         )
 
 
+FLAGS = [
+    "-std=gnu11",
+    "-O2",
+    "-Wall",
+    "-Wextra",
+    "-Wno-unused-parameter",
+    "-Wno-missing-field-initializers",
+    "-Wno-cast-function-type",
+]
+
 setup(
     ext_modules=[
-        Extension(
-            "aioshmq._ringcore_c",
-            ["aioshmq/_ringcore_c.c"],
-            extra_compile_args=[
-                "-std=gnu11",
-                "-O2",
-                "-Wall",
-                "-Wextra",
-                "-Wno-unused-parameter",
-                "-Wno-missing-field-initializers",
-                "-Wno-cast-function-type",
-            ],
-        )
+        Extension("aioshmq._ringcore_c", ["aioshmq/_ringcore_c.c"], extra_compile_args=FLAGS),
+        Extension("aioshmq._cancel_c", ["aioshmq/_cancel_c.c"], extra_compile_args=FLAGS),
     ],
     cmdclass={"build_ext": OptionalBuildExt},
 )

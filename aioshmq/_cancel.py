@@ -22,6 +22,8 @@ from typing import Any
 
 from anyio.lowlevel import checkpoint, checkpoint_if_cancelled
 
+from . import _switch
+
 __all__ = ["current_task", "pending_checkpoint"]
 
 Checkpoint = Callable[[], Awaitable[None]]
@@ -40,11 +42,13 @@ except ImportError:  # pragma: no cover - another anyio: the public function ser
     _states = None
 
 
-# The running loop this thread found last: asyncio's own lookup makes a getpid() system call
-# every time (to notice a fork), about a tenth of a put here.  A thread runs one loop at a
-# time, so while that loop has a current task in this thread, it is this thread's loop.
+# The running loop a thread found last, with that thread's id and whether the loop says which
+# thread runs it: asyncio's own lookup makes a getpid() system call every time (to notice a
+# fork), about a tenth of a put here.  A thread runs one loop at a time, so while that loop
+# has a current task in this thread, it is this thread's loop.  One tuple, replaced whole:
+# a thread never reads another's loop with its own id.
 _get_ident = threading.get_ident
-_seen: list[Any] = [0, None]  # [thread id, loop]
+_seen: list[tuple[int, Any, bool]] = [(0, None, False)]
 
 # Tasks looked up lately, and their anyio states: anyio keeps them in a WeakKeyDictionary,
 # whose Python-level get() costs more than the rest of this check, and the few tasks that
@@ -55,29 +59,29 @@ _cache: dict[int, tuple[Any, Any]] = {}  # id(task) -> (weakref to the task, its
 _fast = [_states is not None]  # whether anyio's task state is usable here (read, never written)
 
 
-def pending_checkpoint() -> Checkpoint | None:
+def _pending_checkpoint() -> Checkpoint | None:
     """What to await so that a pending cancellation is raised now, or None if none is.
 
-    Never yields to the event loop unless the current task is cancelled.
+    Never yields to the event loop unless the current task is cancelled.  The reference:
+    the compiled twin answers the common case itself and calls this for the rest.
     """
     tid = _get_ident()
-    seen = _seen
+    seen_tid, loop, says_thread = _seen[0]
     task = None
-    if seen[0] == tid:
-        loop = seen[1]
+    if seen_tid == tid:
         task = _current_task(loop)
         # A stdlib loop says which thread runs it (uvloop does not): not ours, ask again.
-        if task is not None and getattr(loop, "_thread_id", tid) != tid:
+        if task is not None and says_thread and loop._thread_id != tid:
             task = None
     if task is None:  # not the loop this thread ran last: ask (that costs a getpid())
         loop = _get_running_loop()
         if loop is None:
-            seen[0] = 0
+            _seen[0] = (0, None, False)
             trio = sys.modules.get("trio")
             if trio is not None and trio.lowlevel.in_trio_run():
                 return trio.lowlevel.checkpoint_if_cancelled  # type: ignore[no-any-return]
             return checkpoint_if_cancelled  # raises anyio's NoEventLoopError outside a loop
-        seen[0], seen[1] = tid, loop
+        _seen[0] = (tid, loop, hasattr(loop, "_thread_id"))
         task = _current_task(loop)
         if task is None:  # not an asyncio task (trio in guest mode): let anyio decide
             return checkpoint_if_cancelled
@@ -105,3 +109,19 @@ def pending_checkpoint() -> Checkpoint | None:
         _fast[0] = False
         return checkpoint_if_cancelled
     return None
+
+
+def _compiled() -> Callable[[], Checkpoint | None] | None:
+    """The compiled twin of ``_pending_checkpoint``, set up to read this module's state, if
+    the compiled core runs (``_switch``)."""
+    if not _switch.COMPILED or _current_tasks is None:
+        return None
+    try:
+        from . import _cancel_c
+    except ImportError:  # built before it existed: the pure check serves
+        return None
+    _cancel_c.setup(_seen, _current_tasks, _cache, _fast, checkpoint, _pending_checkpoint)
+    return _cancel_c.pending_checkpoint
+
+
+pending_checkpoint: Callable[[], Checkpoint | None] = _compiled() or _pending_checkpoint

@@ -446,7 +446,7 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         elif (cancelled := pending_checkpoint()) is not None:
             await cancelled()
         looked = not checked  # found the ring empty: wait before looking again
-        if not lock.locked():
+        if not lock.held:
             if checked:
                 if not self._pending and self._deferred is None:
                     obj = ring.get_plain(self._loads_plain, _EMPTY)

@@ -17,25 +17,25 @@ class TaskLock:
     cancelled leaves no trace, passing the lock on if it was handed over just then.
     """
 
-    __slots__ = ("_held", "_waiters")
+    __slots__ = ("_waiters", "held")
 
     def __init__(self) -> None:
-        self._held = False
+        self.held = False  #: what ``locked()`` says, read directly on the ends' hot paths
         self._waiters: collections.deque[anyio.Event] = collections.deque()
 
     def locked(self) -> bool:
-        return self._held
+        return self.held
 
     def acquire_nowait(self) -> None:
         """Take the lock if it is free; anyio's ``WouldBlock`` if not."""
-        if self._held:
+        if self.held:
             raise anyio.WouldBlock
-        self._held = True
+        self.held = True
 
     async def acquire(self) -> None:
         """Take the lock, waiting behind those already waiting (no checkpoint when free)."""
-        if not self._held:
-            self._held = True
+        if not self.held:
+            self.held = True
             return
         turn = anyio.Event()
         self._waiters.append(turn)
@@ -53,7 +53,7 @@ class TaskLock:
         if self._waiters:
             self._waiters.popleft().set()  # still held: it is the waiter's now
         else:
-            self._held = False
+            self.held = False
 
     async def __aenter__(self) -> None:
         await self.acquire()

@@ -464,11 +464,15 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
             await cancelled()
         ring = self._ring
         pickler = self._ser.pickler if self._pickles else None
-        if pickler is not None and not self._lock.locked():
-            parts = self._put_object(obj, pickler)
-            if parts is None:
+        if pickler is not None and not self._lock.held:
+            try:
+                rest = ring.put_object(obj, pickler)
+            except Exception as exc:
+                self._put_failed(obj, exc)
+                raise
+            if rest is None:
                 return
-            main, buffers = parts
+            main, buffers = self._ser.finish(obj, rest)
         else:
             main, buffers = self._ser.dumps(obj)
         if not buffers:
@@ -493,14 +497,18 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         try:
             rest = ring.put_object(obj, pickler)
         except Exception as exc:
-            if ring.dumps_failed and not isinstance(exc, MemoryError):
-                raise unserializable(obj, exc, self._ser.name) from exc
-            if self._closed and isinstance(exc, ValueError):  # closed by another thread
-                raise self._closed_error() from None
+            self._put_failed(obj, exc)
             raise
         if rest is None:
             return None
         return self._ser.finish(obj, rest)  # type: ignore[no-any-return]
+
+    def _put_failed(self, obj: T, exc: Exception) -> None:
+        """Raise what a failed ``put_object`` means for the caller, if not ``exc`` itself."""
+        if self._ring.dumps_failed and not isinstance(exc, MemoryError):
+            raise unserializable(obj, exc, self._ser.name) from exc
+        if self._closed and isinstance(exc, ValueError):  # closed by another thread
+            raise self._closed_error() from None
 
     def reserve(self, nbytes: int, *, timeout: float | None = None) -> Reservation[memoryview]:
         """Room for one message of ``nbytes``, written in place: ``async with

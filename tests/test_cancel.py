@@ -3,6 +3,7 @@ memory streams and trio's channels do, whether or not it would have had to wait.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -158,6 +159,47 @@ async def test_pending_checkpoint_sees_enclosing_scopes_up_to_a_shield(
                 assert _cancel.pending_checkpoint() is None or trio
             await found()
             raise AssertionError("the pending cancellation was not raised")
+
+
+async def test_the_compiled_check_answers_as_the_pure_one(anyio_backend: object) -> None:
+    """Where the compiled core runs, ``pending_checkpoint`` is its twin of the pure function:
+    the same answer, object for object, in every state (the first ask fills the cache)."""
+    check, pure = _cancel.pending_checkpoint, _cancel._pending_checkpoint
+    if aioshmq.CORE == "compiled":
+        assert check is not pure
+    for _ in range(2):
+        assert check() is pure()
+        with anyio.CancelScope() as outer:
+            with anyio.CancelScope():
+                assert check() is pure()
+                outer.cancel()
+                assert check() is pure()
+                assert check() is not None
+                with anyio.CancelScope(shield=True):
+                    assert check() is pure()
+                    with anyio.CancelScope() as inner:
+                        inner.cancel()
+                        assert check() is pure()
+                        assert check() is not None
+
+    answers: dict[str, list[object]] = {}
+
+    def in_another_thread(name: str) -> None:
+        async def main() -> None:
+            answers[name] = [check(), pure()]
+            with anyio.CancelScope() as scope:
+                scope.cancel()
+                answers[name] += [check(), pure()]
+
+        anyio.run(main, backend="asyncio", backend_options={"use_uvloop": name == "uvloop"})
+
+    for name in ("asyncio", "uvloop"):
+        thread = threading.Thread(target=in_another_thread, args=(name,))
+        thread.start()
+        thread.join(10)
+        a, b, c, d = answers[name]
+        assert a is b is None and c is d is not None, name
+        assert check() is pure()  # this thread's own answer, after the other loop's
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])

@@ -148,6 +148,14 @@ async def drain(
                 check(msg, n)
                 n += 1
 
+    if rx.read == "get":  # as _drain_sync does: the check inline, no callback
+        while (msg := await rx.recv()) is not STOP:
+            if n == warmup:
+                t_first = time.monotonic()
+            check(msg, n)
+            n += 1
+        return n, t_first
+
     def take(msg: Any) -> bool:
         nonlocal n, t_first
         if msg is STOP:

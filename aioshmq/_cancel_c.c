@@ -1,0 +1,196 @@
+/* The ends' cancellation check in C: the compiled twin of aioshmq/_cancel.py's common case.
+ *
+ * pending_checkpoint() answers what aioshmq._cancel's pure function answers, reading the
+ * same state: the thread's last loop (_cancel._seen), asyncio's current tasks, and the
+ * cache of anyio task states (_cancel._cache).  It answers only where the pure function
+ * would find everything in place (this thread's loop, a task whose state is cached, anyio's
+ * attributes where it expects them); everywhere else it calls the pure function, which looks
+ * things up the slow way, fills the cache, and gives the answer.  So both give the same
+ * answer by construction, and the pure one stays the reference.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <pythread.h>
+
+static PyObject *seen;          /* list: [(thread id, loop, whether loop._thread_id is set)] */
+static PyObject *current_tasks; /* asyncio.tasks._current_tasks: loop -> task */
+static PyObject *cache;         /* dict: id(task) -> (weakref to the task, anyio TaskState) */
+static PyObject *fast;          /* list: [whether anyio's task state is usable] */
+static PyObject *checkpoint;    /* anyio.lowlevel.checkpoint: what a cancelled task awaits */
+static PyObject *slow;          /* the pure function */
+static PyObject *s_thread_id, *s_cancel_scope, *s_cancel_called, *s_shield, *s_parent_scope;
+
+/* The referent of weakref ``ref`` as a new reference, or NULL (with no error) if dead. */
+static PyObject *referent(PyObject *ref) {
+#if PY_VERSION_HEX >= 0x030D0000
+    PyObject *obj;
+    if (PyWeakref_GetRef(ref, &obj) < 0) {
+        PyErr_Clear();
+        return NULL;
+    }
+    return obj;
+#else
+    PyObject *obj = PyWeakref_GetObject(ref);
+    if (obj == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    if (obj == Py_None) return NULL;
+    Py_INCREF(obj);
+    return obj;
+#endif
+}
+
+/* 1 if attribute ``name`` of ``obj`` is true, 0 if false, -1 if it is missing (no error set)
+ * or its truth raised (error set). */
+static int attr_true(PyObject *obj, PyObject *name) {
+    PyObject *value = PyObject_GetAttr(obj, name);
+    if (value == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_AttributeError)) PyErr_Clear();
+        return -1;
+    }
+    int truth = PyObject_IsTrue(value);
+    Py_DECREF(value);
+    return truth;
+}
+
+/* The cancelled-scope walk of the pure function: 1 if a scope up to the first shield is
+ * cancelled, 0 if none is, -1 if anyio's attributes are not where they should be. */
+static int scope_cancelled(PyObject *state) {
+    PyObject *scope = PyObject_GetAttr(state, s_cancel_scope);
+    while (scope != NULL && scope != Py_None) {
+        int called = attr_true(scope, s_cancel_called);
+        if (called != 0) {
+            Py_DECREF(scope);
+            return called;
+        }
+        int shield = attr_true(scope, s_shield);
+        if (shield != 0) {
+            Py_DECREF(scope);
+            return shield > 0 ? 0 : -1;
+        }
+        PyObject *parent = PyObject_GetAttr(scope, s_parent_scope);
+        Py_DECREF(scope);
+        scope = parent;
+    }
+    if (scope == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_AttributeError)) PyErr_Clear();
+        return -1;
+    }
+    Py_DECREF(scope);
+    return 0;
+}
+
+/* The current task of this thread's last loop, as a new reference, or NULL with no error
+ * where the pure function has to look (another thread's loop, no task, a stale entry). */
+static PyObject *known_task(void) {
+    PyObject *entry = PyList_GET_ITEM(seen, 0);
+    if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 3) return NULL;
+    Py_INCREF(entry);
+    PyObject *task = NULL;
+    unsigned long tid = PyThread_get_thread_ident();
+    unsigned long seen_tid = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(entry, 0));
+    if (seen_tid == (unsigned long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        goto done;
+    }
+    if (seen_tid != tid) goto done;
+    PyObject *loop = PyTuple_GET_ITEM(entry, 1);
+    task = PyDict_GetItemWithError(current_tasks, loop);
+    if (task == NULL) {
+        PyErr_Clear();
+        goto done;
+    }
+    Py_INCREF(task);
+    if (PyTuple_GET_ITEM(entry, 2) == Py_True) { /* a stdlib loop: is it this thread's? */
+        PyObject *owner = PyObject_GetAttr(loop, s_thread_id);
+        unsigned long owner_tid = owner == NULL ? 0 : PyLong_AsUnsignedLong(owner);
+        Py_XDECREF(owner);
+        if (PyErr_Occurred()) PyErr_Clear();
+        if (owner == NULL || owner_tid != tid) Py_CLEAR(task);
+    }
+done:
+    Py_DECREF(entry);
+    return task;
+}
+
+static PyObject *pending_checkpoint(PyObject *module, PyObject *unused) {
+    if (slow == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "aioshmq._cancel_c.setup() was not called");
+        return NULL;
+    }
+    if (PyList_GET_ITEM(fast, 0) != Py_True) return PyObject_CallNoArgs(slow);
+    PyObject *task = known_task();
+    if (task == NULL) return PyObject_CallNoArgs(slow);
+    PyObject *key = PyLong_FromVoidPtr(task);
+    if (key == NULL) {
+        Py_DECREF(task);
+        return NULL;
+    }
+    PyObject *entry = PyDict_GetItemWithError(cache, key); /* borrowed */
+    Py_DECREF(key);
+    PyObject *state = NULL;
+    if (entry != NULL && PyTuple_CheckExact(entry) && PyTuple_GET_SIZE(entry) == 2) {
+        PyObject *target = referent(PyTuple_GET_ITEM(entry, 0));
+        if (target == task) {
+            state = PyTuple_GET_ITEM(entry, 1);
+            Py_INCREF(state);
+        }
+        Py_XDECREF(target);
+    }
+    if (PyErr_Occurred()) PyErr_Clear();
+    Py_DECREF(task);
+    if (state == NULL) return PyObject_CallNoArgs(slow);
+    int cancelled = scope_cancelled(state);
+    Py_DECREF(state);
+    if (cancelled < 0) { /* anyio moved something: the pure function says what now */
+        PyErr_Clear();
+        return PyObject_CallNoArgs(slow);
+    }
+    if (cancelled) return Py_NewRef(checkpoint);
+    Py_RETURN_NONE;
+}
+
+static PyObject *setup(PyObject *module, PyObject *args) {
+    PyObject *a_seen, *a_tasks, *a_cache, *a_fast, *a_checkpoint, *a_slow;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!OO:setup", &PyList_Type, &a_seen, &PyDict_Type,
+                          &a_tasks, &PyDict_Type, &a_cache, &PyList_Type, &a_fast,
+                          &a_checkpoint, &a_slow))
+        return NULL;
+    if (PyList_GET_SIZE(a_seen) != 1 || PyList_GET_SIZE(a_fast) != 1) {
+        PyErr_SetString(PyExc_ValueError, "seen and fast must be lists of one item");
+        return NULL;
+    }
+    Py_XSETREF(seen, Py_NewRef(a_seen));
+    Py_XSETREF(current_tasks, Py_NewRef(a_tasks));
+    Py_XSETREF(cache, Py_NewRef(a_cache));
+    Py_XSETREF(fast, Py_NewRef(a_fast));
+    Py_XSETREF(checkpoint, Py_NewRef(a_checkpoint));
+    Py_XSETREF(slow, Py_NewRef(a_slow));
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"pending_checkpoint", pending_checkpoint, METH_NOARGS,
+     "What to await so that a pending cancellation is raised now, or None if none is."},
+    {"setup", setup, METH_VARARGS,
+     "setup(seen, current_tasks, cache, fast, checkpoint, slow): the state to read."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "aioshmq._cancel_c",
+    "The ends' cancellation check in C: the compiled twin of aioshmq._cancel's common case.",
+    -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__cancel_c(void) {
+    s_thread_id = PyUnicode_InternFromString("_thread_id");
+    s_cancel_scope = PyUnicode_InternFromString("cancel_scope");
+    s_cancel_called = PyUnicode_InternFromString("_cancel_called");
+    s_shield = PyUnicode_InternFromString("_shield");
+    s_parent_scope = PyUnicode_InternFromString("_parent_scope");
+    if (!s_thread_id || !s_cancel_scope || !s_cancel_called || !s_shield || !s_parent_scope)
+        return NULL;
+    return PyModule_Create(&module_def);
+}

@@ -1,0 +1,14 @@
+# The compiled twin of _cancel's common case.
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+def pending_checkpoint() -> Callable[[], Awaitable[None]] | None: ...
+def setup(
+    seen: list[tuple[int, Any, bool]],
+    current_tasks: dict[Any, Any],
+    cache: dict[int, tuple[Any, Any]],
+    fast: list[bool],
+    checkpoint: Callable[[], Awaitable[None]],
+    slow: Callable[[], Callable[[], Awaitable[None]] | None],
+    /,
+) -> None: ...
