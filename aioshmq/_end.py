@@ -12,6 +12,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable
+from types import ModuleType
 from typing import Self
 
 import anyio
@@ -37,11 +38,14 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def in_event_loop() -> bool:
+def in_event_loop(
+    _running: Callable[[], object] = asyncio.events._get_running_loop,
+    _modules: dict[str, ModuleType] = sys.modules,
+) -> bool:
     """Whether this thread is running an asyncio or trio event loop right now."""
-    if asyncio.events._get_running_loop() is not None:
+    if _running() is not None:
         return True
-    trio = sys.modules.get("trio")
+    trio = _modules.get("trio")
     return trio is not None and bool(trio.lowlevel.in_trio_run())
 
 

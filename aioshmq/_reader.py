@@ -595,7 +595,7 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
             self._check()
         if in_event_loop():
             self._refuse_in_loop("get_sync", "reader.get()")
-        if self._lock.locked():
+        if self._lock.held:
             raise busy("an async get is under way on this reader")
         if not self._pending and self._deferred is None:
             try:

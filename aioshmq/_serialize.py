@@ -65,6 +65,7 @@ class Serializer:
 
 
 _ARRAY_CACHE_SIZE = 64
+_modules = sys.modules
 
 Reducer = Callable[[Any], "str | tuple[Any, ...]"]
 
@@ -152,6 +153,7 @@ class PickleSerializer(Serializer):
         base = getattr(self._pickler_class, "dispatch_table", None)  # cloudpickle's has one
         self._table = _Table(base if isinstance(base, Mapping) else copyreg.dispatch_table)
         self._reducing: _Reducing | None = None
+        self._current: Callable[..., Any] = self._dumps  # what ``pickler`` gives now
         self._torch = False  # torch's reducer is in the table
         for cls, reducer in (reducers or {}).items():
             self.register(cls, reducer)
@@ -164,7 +166,7 @@ class PickleSerializer(Serializer):
             raise TypeError(f"the reducer for {cls.__qualname__} must be callable, not {reducer!r}")
         self._table[cls] = reducer
         if self._reducing is None:
-            self._reducing = _Reducing(self._pickler_class, self._table)
+            self._reducing = self._current = _Reducing(self._pickler_class, self._table)
 
     def _see_torch(self) -> None:
         import torch
@@ -179,10 +181,9 @@ class PickleSerializer(Serializer):
     def pickler(self) -> Callable[..., Any]:
         """``pickle.dumps`` (or cloudpickle's, or one with this serializer's reducers),
         which a ring core may call itself."""
-        if not self._torch and "torch" in sys.modules:
+        if not self._torch and "torch" in _modules:
             self._see_torch()
-        reducing = self._reducing
-        return self._dumps if reducing is None else reducing
+        return self._current
 
     def finish(self, obj: Any, rest: Any) -> tuple[Buffer, list[memoryview]]:
         """``dumps(obj)`` given what a ring core's ``put_object`` left: ``()`` or
@@ -329,6 +330,8 @@ class CloudpickleSerializer(PickleSerializer):
         self._pickler_class = cloudpickle.Pickler
         super().__init__(reducers)
         self._dumps = cloudpickle.dumps
+        if self._reducing is None:
+            self._current = self._dumps
 
 
 class RawSerializer(Serializer):

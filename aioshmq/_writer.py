@@ -648,13 +648,17 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
             self._check()
         if in_event_loop():
             self._refuse_in_loop("put_sync", "writer.put(obj)")
-        if self._lock.locked():
+        if self._lock.held:
             raise busy("an async put or wait_readers is under way on this writer")
         if self._pickles:
-            parts = self._put_object(obj, self._ser.pickler)
-            if parts is None:
+            try:
+                rest = self._ring.put_object(obj, self._ser.pickler)
+            except Exception as exc:
+                self._put_failed(obj, exc)
+                raise
+            if rest is None:
                 return
-            frame = Frame(*parts)
+            frame = Frame(*self._ser.finish(obj, rest))
         else:
             frame = self._frame(obj)
         deadline = deadline_of(timeout)
