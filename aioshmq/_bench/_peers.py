@@ -226,17 +226,23 @@ class AioshmqChannel(Channel):
 
 
 class _AioshmqSyncSender(_AioshmqSender):
+    """``put_sync`` itself (bound with its timeout, a layer in C rather than in Python)."""
+
     blocking = True
 
-    def send_sync(self, obj: Any) -> None:
-        self._writer.put_sync(obj, timeout=SYNC_TIMEOUT)
+    def __init__(self, writer: aioshmq.Writer[Any]) -> None:
+        super().__init__(writer)
+        self.send_sync = functools.partial(writer.put_sync, timeout=SYNC_TIMEOUT)  # type: ignore[method-assign]
 
 
 class _AioshmqSyncReceiver(_AioshmqReceiver):
+    """``get_sync`` itself (bound with its timeout, a layer in C rather than in Python)."""
+
     blocking = True
 
-    def recv_sync(self) -> Any:
-        return self._reader.get_sync(timeout=SYNC_TIMEOUT)
+    def __init__(self, reader: aioshmq.Reader[Any], lease: bool) -> None:
+        super().__init__(reader, lease)
+        self.recv_sync = functools.partial(reader.get_sync, timeout=SYNC_TIMEOUT)  # type: ignore[method-assign]
 
 
 class AioshmqSyncChannel(AioshmqChannel):
