@@ -57,9 +57,10 @@ class End:
     alive, and nothing shared is touched.
 
     ``close()`` may come from any thread.  Every call that sleeps holds the end while it
-    touches the ring and its fds; closing wakes the holders (through the end's own wake-up
-    fd), and the fds and the mapping are released only once the last of them has left, so
-    no call ever waits on, or reads from, something closed or reused.
+    touches the ring and its fds (or, for a task whose loop has the wait fd registered, is
+    covered by the release waiting for that loop); closing wakes the holders (through the
+    end's own wake-up fd), and the fds and the mapping are released only once the last of
+    them has left, so no call ever waits on, or reads from, something closed or reused.
     """
 
     _role = "end"
