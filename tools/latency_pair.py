@@ -1,13 +1,18 @@
 """Where a sleeping-peer round trip goes: aioshmq against a bare eventfd ping-pong.
 
-    python tools/latency_pair.py [--uvloop] [--rounds 3000]
+    python tools/latency_pair.py [--uvloop] [--rounds 3000] [--unpinned] [--only KIND]
 
-Runs, one after the other on the same loop kind, a bare eventfd ping-pong between two
-processes (``anyio.wait_readable``, no payload: the bench's floor) and an aioshmq ping-pong
-of the bench's 100-byte dict over two rings whose readers never spin (every message a
-sleep and a wake-up).  Prints each one's p50 round trip and the pinging process's CPU time
-per round trip (``time.process_time()``, kernel time included): the difference is what
-aioshmq's own work costs per round trip.  Under ``strace -c -f`` it also shows the syscalls.
+Runs, one after the other on the same loop kind, two bare eventfd ping-pongs between two
+processes with no payload (``anyio.wait_readable``, which registers the fd at every wait,
+and "kept": the fd registered once, a callback completing a future, as the bench's floor
+and aioshmq's own sleep do), then an aioshmq ping-pong of the bench's 100-byte dict over
+two rings whose readers never spin (every message a sleep and a wake-up).  Each echo runs
+on the last CPU and this process on the first, unless ``--unpinned``: left to the
+scheduler, one pair may share a CPU (a wake-up is then a context switch) while the other
+does not (a wake-up then wakes a halted vCPU), which moves a ratio by a factor of two.
+Prints each one's p50 round trip and the pinging process's CPU time per round trip (user
+and kernel, from ``os.times()``): the difference is what aioshmq's own work costs per
+round trip.  Under ``strace -c -f`` it also shows the syscalls.
 """
 
 from __future__ import annotations
