@@ -24,6 +24,7 @@ from ._tasklock import TaskLock
 
 YIELD_INTERVAL = 0.001  # an end that never has to wait still yields to the loop this often
 CLOSE_WAIT = 5.0  # s: how long close() waits for calls blocked in other threads to leave
+LOOP_LOOK = 0.01  # s: how often that wait looks whether the loop it waits for has closed
 
 _live: weakref.WeakSet[End] = weakref.WeakSet()
 _tokens = itertools.count()
@@ -159,7 +160,19 @@ class End:
                 self._interrupt()
         self._try_release()
         if not self._released and not blockers_here:
+            self._wait_released(loop if foreign else None)
+
+    def _wait_released(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        """Wait up to CLOSE_WAIT for the release.  Where ``loop`` (another thread's) was to
+        run its part, look every LOOP_LOOK s whether it closed first: a closed loop never
+        runs what was queued on it, nor anything of its tasks, so the release is done here."""
+        if loop is None:
             self._done.wait(CLOSE_WAIT)
+            return
+        deadline = time.monotonic() + CLOSE_WAIT
+        while not self._done.wait(LOOP_LOOK) and time.monotonic() < deadline:
+            if loop.is_closed():
+                self._loop_done()
 
     def _notify_closing(self) -> bool:
         try:
@@ -267,11 +280,9 @@ class End:
     def _arm(self) -> asyncio.Future[None] | None:
         """A future the wait fd's next wake-up completes, if the fd is registered with the
         loop running the current task (the caller awaits it, counted in ``_waiting``);
-        else None, and the caller sleeps through ``_sleep``."""
-        return self._new_waiter() if self._armable() else None
-
-    def _new_waiter(self) -> asyncio.Future[None]:
-        """The future for ``_arm``, whose caller made sure the fd is registered."""
+        else None, and the caller registers it first."""
+        if not self._armable():
+            return None
         assert self._loop is not None
         self._waiter = waiter = self._loop.create_future()
         if self._closed:
@@ -303,7 +314,8 @@ class End:
                 self._unregister()
                 loop.add_reader(self._wait_fd, self._on_readable)
                 self._loop, self._loop_thread = loop, threading.get_ident()
-                self._waiter = waiter = loop.create_future()
+                waiter = self._arm()
+                assert waiter is not None  # registered just now, with this task's loop
             try:
                 await waiter
             finally:

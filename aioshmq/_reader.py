@@ -323,9 +323,11 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
                 if time.monotonic() >= deadline:
                     self._spinner.miss()
                     break
-        if self._armable():
-            return await self._wait_armed()
-        token = self._hold(True)
+        # A task whose wait fd is registered with its own loop takes no hold: a close from
+        # another thread leaves the release to that loop (``_loop_pending``), which runs it
+        # only once this task has yielded, and a task woken by a close never touches the
+        # ring again.
+        token = None if self._armable() else self._hold(True)
         try:
             # Drained before announcing the sleep, not after waking: a signal meant for an
             # earlier sleep cannot then wake this one for nothing.
@@ -344,35 +346,8 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
                 self._writer_gone()
             return True
         finally:
-            self._unhold(token)
-
-    async def _wait_armed(self) -> bool:
-        """``_wait``'s sleep where the wait fd is registered with the loop running this task.
-
-        No hold is needed here: a close from another thread leaves the release to this loop
-        (``_loop_pending``), which runs it only once this task has yielded, and a task
-        woken by a close never touches the ring again."""
-        ring = self._ring
-        if self._closed:
-            self._check()
-        if not ring.prepare_sleep():
-            return False
-        try:
-            waiter = self._new_waiter()
-            self._waiting += 1
-            try:
-                await waiter
-            finally:
-                self._waiting -= 1
-                if self._waiter is waiter:
-                    self._waiter = None
-        finally:
-            if not self._closed:  # closed meanwhile: never touch the ring again
-                ring.end_sleep()
-        self._check()
-        if not ring.available():
-            self._writer_gone()
-        return True
+            if token is not None:
+                self._unhold(token)
 
     def _wait_sync(self, deadline: float | None) -> None:
         ring = self._ring

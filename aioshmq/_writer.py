@@ -488,21 +488,6 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
             return
         await self._run([frame])
 
-    def _put_object(
-        self, obj: T, pickler: Callable[..., Any]
-    ) -> tuple[Buffer, list[memoryview]] | None:
-        """Pickle ``obj`` and, if it is one plain record with room for it now, put it in the
-        same call of the ring core: None.  Otherwise nothing is written: its parts."""
-        ring = self._ring
-        try:
-            rest = ring.put_object(obj, pickler)
-        except Exception as exc:
-            self._put_failed(obj, exc)
-            raise
-        if rest is None:
-            return None
-        return self._ser.finish(obj, rest)  # type: ignore[no-any-return]
-
     def _put_failed(self, obj: T, exc: Exception) -> None:
         """Raise what a failed ``put_object`` means for the caller, if not ``exc`` itself."""
         if self._ring.dumps_failed and not isinstance(exc, MemoryError):

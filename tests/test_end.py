@@ -8,7 +8,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -235,31 +235,44 @@ def test_close_from_another_thread_ends_a_blocked_call(kind: str, call: str) -> 
     assert _fds() == fds
 
 
+def _run_on(backend: str, main: Callable[[], Awaitable[None]]) -> None:
+    """Run ``main`` under anyio on "asyncio", "uvloop" or "trio"."""
+    import anyio
+
+    if backend == "uvloop":
+        anyio.run(main, backend="asyncio", backend_options={"use_uvloop": True})
+    else:
+        anyio.run(main, backend=backend)
+
+
+async def _get_into(r: aioshmq.Reader[Any], outcome: list[BaseException | None]) -> None:
+    """``r.get()``, its exception (or None) appended to ``outcome``."""
+    try:
+        await r.get()
+    except BaseException as exc:
+        outcome.append(exc)
+    else:
+        outcome.append(None)
+
+
 @pytest.mark.parametrize("backend", ["asyncio", "uvloop", "trio"])
 def test_close_from_another_thread_ends_an_awaiting_task(backend: str) -> None:
     """The same for a task of an event loop that runs in another thread."""
     import anyio
 
+    async def nothing() -> None:
+        pass
+
+    _run_on(backend, nothing)  # a loop's first run may open fds it keeps (uvloop does)
     fds = _fds()
     w = aioshmq.create(capacity=1 << 16)
     r = aioshmq.connect(w.name, spin=0)
     outcome: list[BaseException | None] = []
 
-    def loop_thread() -> None:
-        async def main() -> None:
-            try:
-                await r.get()
-            except BaseException as exc:
-                outcome.append(exc)
-            else:
-                outcome.append(None)
+    async def main() -> None:
+        await _get_into(r, outcome)
 
-        if backend == "uvloop":
-            anyio.run(main, backend="asyncio", backend_options={"use_uvloop": True})
-        else:
-            anyio.run(main, backend=backend)
-
-    thread = threading.Thread(target=loop_thread, daemon=True)
+    thread = threading.Thread(target=_run_on, args=(backend, main), daemon=True)
     thread.start()
     _wait_until(lambda: r._waiting == 1, "get() sleeps")
     r.close()
@@ -284,39 +297,28 @@ def test_a_close_from_another_thread_as_a_task_arms_its_wait(backend: str) -> No
     outcome: list[BaseException | None] = []
     closer: list[threading.Thread] = []
 
-    def loop_thread() -> None:
-        async def main() -> None:
-            with anyio.fail_after(10):
-                await w.put(1)
-                assert await r.get() == 1
-                with anyio.move_on_after(0.01):  # the fd is registered with this loop now
-                    await r.get()
-                assert r._loop is not None
-                loop = r._loop
-                create_future = loop.create_future
+    async def main() -> None:
+        with anyio.fail_after(10):
+            await w.put(1)
+            assert await r.get() == 1
+            with anyio.move_on_after(0.01):  # the fd is registered with this loop now
+                await r.get()
+            assert r._loop is not None
+            loop = r._loop
+            create_future = loop.create_future
 
-                def closed_meanwhile() -> Any:
-                    del loop.create_future
-                    closer.append(threading.Thread(target=r.close))
-                    closer[0].start()
-                    while not r._closed:  # the close has begun in the other thread
-                        time.sleep(0.0001)
-                    return create_future()
+            def closed_meanwhile() -> Any:
+                del loop.create_future
+                closer.append(threading.Thread(target=r.close))
+                closer[0].start()
+                while not r._closed:  # the close has begun in the other thread
+                    time.sleep(0.0001)
+                return create_future()
 
-                loop.create_future = closed_meanwhile  # type: ignore[method-assign]
-                try:
-                    await r.get()
-                except BaseException as exc:
-                    outcome.append(exc)
-                else:
-                    outcome.append(None)
+            loop.create_future = closed_meanwhile  # type: ignore[method-assign]
+            await _get_into(r, outcome)
 
-        if backend == "uvloop":
-            anyio.run(main, backend="asyncio", backend_options={"use_uvloop": True})
-        else:
-            anyio.run(main, backend=backend)
-
-    thread = threading.Thread(target=loop_thread, daemon=True)
+    thread = threading.Thread(target=_run_on, args=(backend, main), daemon=True)
     thread.start()
     thread.join(20)
     assert not thread.is_alive(), "get() still waiting after the close"
