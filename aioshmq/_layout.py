@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from ._errors import CorruptedError
 
 MAGIC = 0x31514D48534F4941  # b"AIOSHMQ1" read as a little-endian u64
-VERSION = 2  # 2: reader lines carry R_EVICTED (a version-1 reader would not look at it)
+# 2: reader lines carry R_EVICTED (a version-1 reader would not look at it).
+# 3: the sleep words moved to the second half of their lines (SLEEP_WORDS).
+VERSION = 3
 
 PAGE = 4096
 LINE = 128  # two cache lines: keeps adjacent-line prefetch from sharing a counter's line
@@ -29,6 +31,12 @@ OFF_DATA = 40
 OFF_WRITER_PID = 48
 _HEADER = struct.Struct("<QQQQQQQ")
 
+# A line's counters sit in its first 64 bytes and its sleep words in the second 64 (from
+# word SLEEP_WORDS on).  Each side loads the other's sleep word at every publish; kept apart,
+# that load hits a line the sleeper alone writes, instead of pulling over, at every message,
+# the line whose counters the other side stores at every message.
+SLEEP_WORDS = 8
+
 # Writer line: written by the writer process only.
 WRITER_LINE = LINE
 W_HEAD = 0  # u64 word index within the line: bytes published
@@ -36,16 +44,16 @@ W_HEAD_COUNT = 1  # messages published
 W_CLOSED = 2  # once the writer closed, stored after the final head: CLOSED_END or CLOSED_BROKEN
 CLOSED_END = 1  # the stream ended: readers get EndOfStream after the last message
 CLOSED_BROKEN = 2  # its source died (a relay whose upstream was lost): PeerDied instead
-W_SLEEP = 3  # nonzero episode id while the writer sleeps, else 0
-W_WANT_POS = 4  # while asleep: wake me once your tail reaches this position
-W_WANT_COUNT = 5  # ... and your message count reaches this one
+W_SLEEP = SLEEP_WORDS  # nonzero episode id while the writer sleeps, else 0
+W_WANT_POS = SLEEP_WORDS + 1  # while asleep: wake me once your tail reaches this position
+W_WANT_COUNT = SLEEP_WORDS + 2  # ... and your message count reaches this one
 
 # Reader line i at READER_LINES + i * LINE: written by reader i only (and by the writer's
 # broker while slot i has no reader, to set where the next reader starts), except R_EVICTED.
 READER_LINES = 2 * LINE
 R_TAIL = 0  # bytes consumed
 R_TAIL_COUNT = 1  # messages consumed
-R_SLEEP = 2  # nonzero episode id while the reader sleeps, else 0
+R_SLEEP = SLEEP_WORDS  # nonzero episode id while the reader sleeps, else 0
 R_PID = 3  # pid of the reader holding the slot (informational)
 # Written by the writer only: nonzero once it evicted the slot's reader for not advancing
 # (the slow_reader_timeout, in ms, at least 1), zero again when the slot is handed out.

@@ -34,12 +34,13 @@
 #define W_HEAD 0
 #define W_HEAD_COUNT 1
 #define W_CLOSED 2
-#define W_SLEEP 3
-#define W_WANT_POS 4
-#define W_WANT_COUNT 5
+/* The sleep words sit in the second 64 bytes of their lines (SLEEP_WORDS in _layout.py). */
+#define W_SLEEP 8
+#define W_WANT_POS 9
+#define W_WANT_COUNT 10
 #define R_TAIL 0
 #define R_TAIL_COUNT 1
-#define R_SLEEP 2
+#define R_SLEEP 8
 #define R_EVICTED 4
 #define PAD 1
 #define MSG 2

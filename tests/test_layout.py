@@ -16,9 +16,26 @@ def test_offsets() -> None:
     layout = Layout(capacity=1 << 20, max_messages=64, readers=3)
     assert layout.writer_word(L.W_HEAD) * 8 == 128
     assert layout.reader_word(0, L.R_TAIL) * 8 == 256
-    assert layout.reader_word(2, L.R_SLEEP) * 8 == 256 + 2 * 128 + 16
+    assert layout.reader_word(2, L.R_SLEEP) * 8 == 256 + 2 * 128 + 64
+    assert layout.writer_word(L.W_SLEEP) * 8 == 128 + 64
     assert layout.data_offset == 4096 and layout.size == 4096 + (1 << 20)
     assert Layout(1 << 20, 64, 40).data_offset == 8192  # 256 + 40 * 128 rounded up to a page
+
+
+def test_sleep_words_share_no_cache_line_with_the_counters() -> None:
+    """Each side loads the other's sleep words at every publish: they must not sit in the
+    64-byte line holding the counters that side stores at every message."""
+    layout = Layout(capacity=1 << 20, max_messages=64, readers=3)
+
+    def line(word: int) -> int:
+        return word * 8 // 64
+
+    counters = {line(layout.writer_word(f)) for f in (L.W_HEAD, L.W_HEAD_COUNT, L.W_CLOSED)}
+    sleep = {line(layout.writer_word(f)) for f in (L.W_SLEEP, L.W_WANT_POS, L.W_WANT_COUNT)}
+    assert len(sleep) == 1 and not counters & sleep
+    for i in range(layout.readers):
+        tail = {line(layout.reader_word(i, f)) for f in (L.R_TAIL, L.R_TAIL_COUNT)}
+        assert line(layout.reader_word(i, L.R_SLEEP)) not in tail
 
 
 def test_header_round_trip() -> None:
