@@ -478,7 +478,12 @@ def large(bench: Bench) -> None:
             case,
             "aioshmq",
             {"throughput": "GB/s"},
-            {"bytes": nbytes, "capacity": capacity, "depth": 16, "how": "put/get, out-of-band"},
+            {
+                "bytes": nbytes,
+                "capacity": capacity,
+                "depth": 16,
+                "how": "put, out of band; read in a lease",
+            },
             partial(_throughput, bench, AIOSHMQ, workload, capacity=capacity, depth=16),
             absent=no_numpy,
         )
@@ -524,7 +529,11 @@ def large(bench: Bench) -> None:
         "64 MiB via a 16 MiB ring",
         "aioshmq",
         {"throughput": "GB/s"},
-        {"bytes": 64 * MiB, "capacity": 16 * MiB, "how": "put/get, sent in fragments"},
+        {
+            "bytes": 64 * MiB,
+            "capacity": 16 * MiB,
+            "how": "put, sent in fragments; read in a lease (reassembled)",
+        },
         partial(_throughput, bench, AIOSHMQ, workload, capacity=16 * MiB, depth=16),
         absent=no_numpy,
     )
