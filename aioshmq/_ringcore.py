@@ -8,6 +8,7 @@ writers, slots, relays) lives in ``_ring``'s subclasses and runs on either.
 from __future__ import annotations
 
 import mmap
+import struct
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -19,6 +20,7 @@ from ._layout import record_size
 from ._notify import Notifier
 
 _NDARRAY = "numpy.ndarray"
+_TABLE_ONE = struct.Struct("<3Q")  # a single buffer's table: 1, main's length, its length
 
 
 def _type_name(obj: object) -> str:
@@ -84,7 +86,7 @@ class WriterCore(_Mapped):
         self.need_count = 0
         self.wakeups = 0
         self.publishes = 0
-        self.sent = 0  # messages and payload bytes put through put_plain
+        self.sent = 0  # messages and payload bytes put through put_plain and put_buffer
         self.sent_bytes = 0
         self.max_record = capacity // 2
         self._found: list[Any] = []
@@ -94,12 +96,12 @@ class WriterCore(_Mapped):
     def refresh_limits(self) -> tuple[int, int]:
         raise NotImplementedError
 
-    def put_plain(self, main: Any, kind: int = L.MSG, count: int = 1) -> bool:
-        """Write and publish one record without buffers if there is room now: the hot path."""
-        n = len(main) if not isinstance(main, memoryview) else main.nbytes
-        size = record_size(n)
+    def _claim(self, size: int, count: int) -> int:
+        """The data-area offset of room for a record of ``size`` bytes holding ``count``
+        messages at the cursor (its PAD written if it wraps), or -1: no room now (``need_*``
+        set), or too big."""
         if size > self.max_record:
-            return False
+            return -1
         cap = self._cap
         pos = self.pos
         off = pos % cap
@@ -108,23 +110,57 @@ class WriterCore(_Mapped):
             self.refresh_limits()
             if pos + span > self.limit_pos or self.count + count > self.limit_count:
                 self.need_span, self.need_count = span, count
-                return False
-        q = self._cq
+                return -1
         if span != size:
-            q[off >> 3] = ((cap - off - L.HEADER_SIZE) << 8) | L.PAD
-            pos += cap - off
+            self._cq[off >> 3] = ((cap - off - L.HEADER_SIZE) << 8) | L.PAD
+            self.pos = pos + cap - off
             off = 0
-        i = off >> 3
-        q[i] = (n << 8) | kind
-        q[i + 1] = count if count > 1 else 0
-        start = off + L.HEADER_SIZE
-        self._cdata[start : start + n] = main
-        self.pos = pos + size
+        return off
+
+    def _commit(self, size: int, n: int, count: int) -> bool:
+        self.pos += size
         self.count += count
         self.sent += count
         self.sent_bytes += n
         self.publish()
         return True
+
+    def put_plain(self, main: Any, kind: int = L.MSG, count: int = 1) -> bool:
+        """Write and publish one record without buffers if there is room now: the hot path."""
+        n = len(main) if not isinstance(main, memoryview) else main.nbytes
+        size = record_size(n)
+        off = self._claim(size, count)
+        if off < 0:
+            return False
+        i = off >> 3
+        q = self._cq
+        q[i] = (n << 8) | kind
+        q[i + 1] = count if count > 1 else 0
+        start = off + L.HEADER_SIZE
+        self._cdata[start : start + n] = main
+        return self._commit(size, n, count)
+
+    def put_buffer(self, main: Any, buffer: Any) -> bool:
+        """Write and publish one message with one out-of-band buffer if there is room now,
+        laid out as ``_ring.Frame`` lays out a single buffer."""
+        main_view, buf = memoryview(main).cast("B"), memoryview(buffer).cast("B")
+        main_len, buf_len = main_view.nbytes, buf.nbytes
+        at = (24 + main_len + L.RECORD_ALIGN - 1) & -L.RECORD_ALIGN
+        n = at + buf_len
+        size = record_size(n)
+        off = self._claim(size, 1)
+        if off < 0:
+            return False
+        i = off >> 3
+        q = self._cq
+        q[i] = (n << 8) | L.MSG | L.OOB
+        q[i + 1] = 0
+        start = off + L.HEADER_SIZE
+        data = self._cdata
+        _TABLE_ONE.pack_into(data, start, 1, main_len, buf_len)
+        data[start + 24 : start + 24 + main_len] = main_view
+        data[start + at : start + n] = buf
+        return self._commit(size, n, 1)
 
     def put_object(self, obj: Any, dumps: Callable[..., Any], count: int = 1) -> Any:
         """Pickle ``obj`` with ``dumps`` and put it as one plain record if it is one and
@@ -173,7 +209,6 @@ class WriterCore(_Mapped):
                 self._signalled[i] = s
                 self._wake[i].signal()
                 self.wakeups += 1
-
 
 
 class ReaderCore(_Mapped):
@@ -425,4 +460,3 @@ class ReaderCore(_Mapped):
 
     def end_sleep(self) -> None:
         self._cwords[self._r_sleep] = 0
-

@@ -24,6 +24,9 @@
 #if ATOMIC_LLONG_LOCK_FREE != 2
 #error "aioshmq needs lock-free 64-bit atomics"
 #endif
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "aioshmq's ring stores little-endian words with native stores"
+#endif
 
 /* Must match aioshmq/_layout.py; tests/test_ringcore.py compares them. */
 #define LINE 128
@@ -319,13 +322,13 @@ static int W_publish_(WriterCore *self) {
     return W_wake_readers(self);
 }
 
-/* 1 written and published, 0 no room now (need_* set) or too big, -1 error. */
-static int W_put_plain_(WriterCore *self, const uint8_t *src, uint64_t n, uint64_t kind,
-                        uint64_t messages) {
+/* Claim room for a record of ``size`` bytes holding ``messages`` messages at the cursor,
+ * writing the PAD before it if it wraps: its offset in the data area, or -2 if there is
+ * no room now (need_* set) or it is too big, -1 on error. */
+static int64_t W_claim_(WriterCore *self, uint64_t size, uint64_t messages) {
     Mem *m = &self->m;
     if (mem_released(m)) return -1;
-    uint64_t size = record_size(n);
-    if (size > self->max_record) return 0;
+    if (size > self->max_record) return -2;
     uint64_t cap = m->cap, pos = self->pos, off = pos % cap;
     uint64_t span = off + size > cap ? cap - off + size : size;
     if (pos + span > self->limit_pos || self->count + messages > self->limit_count) {
@@ -336,22 +339,57 @@ static int W_put_plain_(WriterCore *self, const uint8_t *src, uint64_t n, uint64
         if (pos + span > self->limit_pos || self->count + messages > self->limit_count) {
             self->need_span = span;
             self->need_count = messages;
-            return 0;
+            return -2;
         }
     }
     if (span != size) {
         st(dword(m, off), ((cap - off - HEADER_SIZE) << 8) | PAD);
-        pos += cap - off;
+        self->pos = pos + cap - off;
         off = 0;
     }
-    st(dword(m, off), (n << 8) | kind);
-    st(dword(m, off + 8), messages > 1 ? messages : 0);
-    memcpy(m->data + off + HEADER_SIZE, src, n);
-    self->pos = pos + size;
+    return (int64_t)off;
+}
+
+/* The claimed record at ``off`` is written: account for it and publish (1, or -1). */
+static int W_commit_(WriterCore *self, uint64_t size, uint64_t n, uint64_t messages) {
+    self->pos += size;
     self->count += messages;
     self->sent += messages;
     self->sent_bytes += n;
     return W_publish_(self) < 0 ? -1 : 1;
+}
+
+/* 1 written and published, 0 no room now (need_* set) or too big, -1 error. */
+static int W_put_plain_(WriterCore *self, const uint8_t *src, uint64_t n, uint64_t kind,
+                        uint64_t messages) {
+    uint64_t size = record_size(n);
+    int64_t off = W_claim_(self, size, messages);
+    if (off < 0) return off == -2 ? 0 : -1;
+    Mem *m = &self->m;
+    st(dword(m, off), (n << 8) | kind);
+    st(dword(m, off + 8), messages > 1 ? messages : 0);
+    memcpy(m->data + off + HEADER_SIZE, src, n);
+    return W_commit_(self, size, n, messages);
+}
+
+/* The same for one message of ``main`` and one out-of-band buffer, laid out as ``Frame``
+ * lays out a single buffer: the table (1, main's length, the buffer's length), main at 24,
+ * the buffer at the next 16-byte boundary. */
+static int W_put_buffer_(WriterCore *self, const uint8_t *main, uint64_t main_len,
+                         const uint8_t *buf, uint64_t buf_len) {
+    uint64_t at = (24 + main_len + RECORD_ALIGN - 1) & ~(uint64_t)(RECORD_ALIGN - 1);
+    uint64_t n = at + buf_len, size = record_size(n);
+    int64_t off = W_claim_(self, size, 1);
+    if (off < 0) return off == -2 ? 0 : -1;
+    Mem *m = &self->m;
+    st(dword(m, off), (n << 8) | MSG | OOB);
+    st(dword(m, off + 8), 0);
+    uint8_t *payload = m->data + off + HEADER_SIZE;
+    uint64_t table[3] = {1, main_len, buf_len};
+    memcpy(payload, table, sizeof table);
+    memcpy(payload + 24, main, main_len);
+    memcpy(payload + at, buf, buf_len);
+    return W_commit_(self, size, n, 1);
 }
 
 static PyObject *W_put_plain(WriterCore *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -366,6 +404,24 @@ static PyObject *W_put_plain(WriterCore *self, PyObject *const *args, Py_ssize_t
     if (PyObject_GetBuffer(args[0], &b, PyBUF_C_CONTIGUOUS) < 0) return NULL;
     int r = W_put_plain_(self, b.buf, (uint64_t)b.len, kind, count);
     PyBuffer_Release(&b);
+    if (r < 0) return NULL;
+    return PyBool_FromLong(r);
+}
+
+static PyObject *W_put_buffer(WriterCore *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "put_buffer(main, buffer)");
+        return NULL;
+    }
+    Py_buffer a, b;
+    if (PyObject_GetBuffer(args[0], &a, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (PyObject_GetBuffer(args[1], &b, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&a);
+        return NULL;
+    }
+    int r = W_put_buffer_(self, a.buf, (uint64_t)a.len, b.buf, (uint64_t)b.len);
+    PyBuffer_Release(&b);
+    PyBuffer_Release(&a);
     if (r < 0) return NULL;
     return PyBool_FromLong(r);
 }
@@ -462,6 +518,8 @@ static void W_releasebuffer(WriterCore *self, Py_buffer *view) { mem_releasebuff
 static PyMethodDef W_methods[] = {
     {"put_plain", (PyCFunction)(void (*)(void))W_put_plain, METH_FASTCALL,
      "Write and publish one record without buffers if there is room now: the hot path."},
+    {"put_buffer", (PyCFunction)(void (*)(void))W_put_buffer, METH_FASTCALL,
+     "Write and publish one message with one out-of-band buffer if there is room now."},
     {"put_object", (PyCFunction)(void (*)(void))W_put_object, METH_FASTCALL,
      "Pickle an object and put it as one plain record if it is one; else what is left."},
     {"publish", (PyCFunction)W_publish, METH_NOARGS, "Make what was written visible."},
@@ -485,7 +543,7 @@ static PyMemberDef W_members[] = {
     U64M(WriterCore, need_count, "messages the last failed write waited for"),
     U64M(WriterCore, wakeups, "wake-up syscalls made"),
     U64M(WriterCore, publishes, "publications"),
-    U64M(WriterCore, sent, "messages put through put_plain"),
+    U64M(WriterCore, sent, "messages put through put_plain and put_buffer"),
     U64M(WriterCore, sent_bytes, "their payload bytes"),
     U64RO(WriterCore, max_record, "largest record written whole"),
     {"dumps_failed", T_BOOL, offsetof(WriterCore, dumps_failed), 0,

@@ -480,6 +480,11 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
                 return
             await self._run([Frame(main, buffers)])
             return
+        if len(buffers) == 1:  # one array: written and published in one call
+            if not self._lock.locked() and ring.put_buffer(main, buffers[0]):
+                return
+            await self._run([Frame(main, buffers)])
+            return
         frame = Frame(main, buffers)
         if not self._lock.locked() and ring.fits_whole(frame) and ring.try_write(frame):
             ring.publish()
@@ -643,7 +648,16 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
                 raise
             if rest is None:
                 return
-            frame = Frame(*self._ser.finish(obj, rest))
+            main, buffers = self._ser.finish(obj, rest)
+            if len(buffers) == 1:
+                try:
+                    if self._ring.put_buffer(main, buffers[0]):
+                        return
+                except ValueError:
+                    if self._closed:  # closed by another thread meanwhile
+                        raise self._closed_error() from None
+                    raise
+            frame = Frame(main, buffers)
         else:
             frame = self._frame(obj)
         deadline = deadline_of(timeout)

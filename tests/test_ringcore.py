@@ -96,6 +96,7 @@ def _reader(core: Any, mem: bytearray, layout: Layout) -> Any:
 _ops = st.lists(
     st.one_of(
         st.tuples(st.just("put"), st.integers(0, 1500), st.sampled_from([1, 2, 5])),
+        st.tuples(st.just("buffer"), st.integers(0, 1500), st.integers(0, 200)),
         st.tuples(st.just("get"), st.integers(1, 6), st.just(0)),
     ),
     max_size=60,
@@ -117,6 +118,9 @@ def test_both_cores_write_and_read_the_same_bytes(ops: list[tuple[str, int, int]
             if op == "put":
                 payload = bytes([a % 251]) * a
                 results.append(w.put_plain(payload, L.MSG | (L.BATCH if b > 1 else 0), b))
+            elif op == "buffer":  # a buffer of a bytes and a main part of b
+                buffer = memoryview(bytes([a % 251]) * a)
+                results.append(w.put_buffer(bytes([b % 7]) * b, buffer))
             else:
                 got = []
                 for _ in range(a):
@@ -133,6 +137,54 @@ def test_both_cores_write_and_read_the_same_bytes(ops: list[tuple[str, int, int]
         half = len(results) // 2
         assert results[:half] == results[half:], op
         assert sides[0][0] == sides[1][0]  # byte for byte
+
+
+@pytest.mark.parametrize("core", ["pure", "compiled"])
+@pytest.mark.parametrize(("main_len", "buf_len"), [(0, 0), (1, 1), (100, 3000), (8, 1000)])
+def test_put_buffer_lays_out_a_message_as_a_frame_does(
+    core: str, main_len: int, buf_len: int
+) -> None:
+    """The one-call path for one out-of-band buffer writes the record the general path
+    (``Frame``) would, which readers decode into the same main part and buffer."""
+    from aioshmq._ring import Frame, decode
+
+    module = _ringcore if core == "pure" else _ringcore_c
+    if module is None:
+        pytest.skip("the compiled core is not built")
+    layout = Layout(8192, 9, 1)
+    mem = _memory(layout)
+    w = _writer(module, mem, layout)
+    main, buffer = bytes(i % 256 for i in range(main_len)), bytes([7]) * buf_len
+    frame = Frame(main, [memoryview(buffer)])
+    assert w.put_buffer(main, memoryview(buffer))
+    assert (w.pos, w.count, w.head, w.head_count) == (record_size(frame.length), 1, w.pos, 1)
+    assert (w.sent, w.sent_bytes) == (1, frame.length)
+    data = memoryview(mem)[layout.data_offset :]
+    word = int.from_bytes(data[:8], "little")
+    assert (word & 0xFF, word >> 8) == (frame.kind, frame.length)
+    expected = bytearray(frame.length)
+    frame.copy_into(memoryview(expected))
+    payload = data[L.HEADER_SIZE : L.HEADER_SIZE + frame.length]
+    assert bytes(payload) == bytes(expected)
+    got_main, got_buffers = decode(payload, frame.kind)
+    assert bytes(got_main) == main and [bytes(b) for b in got_buffers] == [buffer]
+
+
+def test_put_buffer_refuses_what_is_too_big_or_has_no_room() -> None:
+    for module in (_ringcore, _ringcore_c):
+        if module is None:
+            continue
+        layout = Layout(4096, 2, 1)
+        mem = _memory(layout)
+        w = _writer(module, mem, layout)
+        assert not w.put_buffer(b"m", bytes(layout.max_record))  # too big for one record
+        assert (w.pos, w.count) == (0, 0)
+        assert w.put_buffer(b"m", bytes(100)) and w.put_buffer(b"m", bytes(100))
+        assert not w.put_buffer(b"m", bytes(100))  # max_messages=2 reached, nothing read
+        assert (w.count, w.need_count) == (2, 1)
+        assert mem[layout.data_offset + 2 * record_size(24 + 16 + 100) :] == bytes(
+            layout.capacity - 2 * record_size(24 + 16 + 100)
+        )
 
 
 # -- scribbled rings ----------------------------------------------------------------------------
