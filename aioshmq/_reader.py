@@ -336,6 +336,7 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
                 self._check()
             if not ring.prepare_sleep():
                 return False
+            start = time.monotonic()
             try:
                 await self._sleep()
             finally:
@@ -344,6 +345,8 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
             self._check()
             if not ring.available():
                 self._writer_gone()
+            else:
+                self._spinner.slept(time.monotonic() - start)
             return True
         finally:
             if token is not None:
@@ -365,6 +368,7 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
             if self._closed:  # its close wake-up was just drained: never sleep now
                 self._check()
             if ring.prepare_sleep():
+                start = time.monotonic()
                 try:
                     self._sleep_sync(deadline)
                 finally:
@@ -372,6 +376,8 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
                 self._check()
                 if not ring.available():
                     self._writer_gone()
+                else:
+                    self._spinner.slept(time.monotonic() - start)
         finally:
             self._unhold(token)
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-PROBE = 25e-6  # s: the spin a reader tries again with, once spinning stopped paying
+PROBE = 25e-6  # s: the shortest spin a reader tries again with, once spinning stopped paying
 PROBE_EVERY = 32  # sleeps between two such tries
+SLEEP_WEIGHT = 0.25  # the weight of the latest sleep in the running mean of short sleeps
+PROBE_MARGIN = 1.25  # a try spins this many times that mean: long enough to catch the next
 
 
 class Spin:
@@ -14,12 +16,18 @@ class Spin:
     halves it, down to nothing: slow to grow, quick to shrink, since a spin that fails cost
     its whole budget in CPU the writer may have needed.  So on a loaded machine, where a
     spinning reader takes the CPU its writer needs and the spins catch nothing, the reader
-    soon sleeps at once, as with ``spin=0``; every ``PROBE_EVERY`` sleeps it tries a short
-    spin again, in case the machine has a CPU to spare by then.  While spins keep catching
+    soon sleeps at once, as with ``spin=0``; every ``PROBE_EVERY`` sleeps it tries a spin
+    again, in case the machine has a CPU to spare by then.  While spins keep catching
     messages, it spins as long as allowed.
+
+    The try lasts as long as the reader's recent sleeps (a running mean of those shorter
+    than ``limit``, with a margin), at least ``PROBE``: when messages come steadily, a few
+    tens of microseconds apart, a try as long as the wait it replaces is one that can catch
+    the next, and once one does the budget starts from there.  A reader whose sleeps are
+    longer than ``limit`` (messages rare, or a writer starved of CPU) tries ``PROBE`` alone.
     """
 
-    __slots__ = ("caught", "limit", "missed", "now", "sleeps")
+    __slots__ = ("caught", "limit", "missed", "now", "sleeps", "slept_mean", "tried")
 
     def __init__(self, limit: float) -> None:
         self.limit = limit
@@ -27,23 +35,36 @@ class Spin:
         self.sleeps = 0
         self.caught = 0  # spins that caught a message
         self.missed = 0  # spins that ran out
+        self.slept_mean = 0.0  # the running mean of sleeps shorter than limit (0: none yet)
+        self.tried = 0.0  # the budget of the spin under way
 
     def budget(self) -> float:
         """How long the next wait may spin (0: sleep at once)."""
         if self.now or not self.limit:
+            self.tried = self.now
             return self.now
         self.sleeps += 1
         if self.sleeps >= PROBE_EVERY:
             self.sleeps = 0
-            return min(self.limit, PROBE)
+            self.tried = min(self.limit, max(PROBE, PROBE_MARGIN * self.slept_mean))
+            return self.tried
+        self.tried = 0.0
         return 0.0
 
     def hit(self) -> None:
         """The spin caught a message."""
         self.caught += 1
-        self.now = min(self.limit, self.now + PROBE)
+        self.now = min(self.limit, max(self.now, self.tried) + PROBE)
+        self.tried = 0.0
 
     def miss(self) -> None:
         """The spin ran out: the reader sleeps after all."""
         self.missed += 1
         self.now = self.now / 2 if self.now > PROBE else 0.0
+        self.tried = 0.0
+
+    def slept(self, seconds: float) -> None:
+        """A sleep that a message ended lasted ``seconds``."""
+        if seconds < self.limit:
+            mean = self.slept_mean
+            self.slept_mean = seconds if not mean else mean + SLEEP_WEIGHT * (seconds - mean)

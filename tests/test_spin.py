@@ -6,7 +6,7 @@ import anyio
 import pytest
 
 import aioshmq
-from aioshmq._spin import PROBE, PROBE_EVERY, Spin
+from aioshmq._spin import PROBE, PROBE_EVERY, PROBE_MARGIN, SLEEP_WEIGHT, Spin
 
 
 def test_misses_halve_the_budget_down_to_nothing_and_hits_grow_it_slowly() -> None:
@@ -32,9 +32,47 @@ def test_with_nothing_left_it_tries_a_short_spin_now_and_then() -> None:
     budgets = [spin.budget() for _ in range(3 * PROBE_EVERY)]
     assert budgets.count(PROBE) == 3 and budgets.count(0.0) == 3 * PROBE_EVERY - 3
     assert budgets[PROBE_EVERY - 1] == PROBE
-    spin.hit()  # the try caught one: spinning pays again
-    assert spin.budget() == PROBE
+    spin.hit()  # the try caught one: spinning pays again, from the try's length on
+    assert spin.budget() == pytest.approx(2 * PROBE)
     assert Spin(0.0).budget() == 0.0 and all(Spin(0.0).budget() == 0 for _ in range(100))
+
+
+def _spent(spin: Spin) -> Spin:
+    while spin.now:
+        spin.miss()
+    return spin
+
+
+def test_a_try_lasts_as_long_as_the_recent_short_sleeps() -> None:
+    """Messages 60 us apart: a 25 us try could never catch one, a try as long as the
+    sleeps it replaces can, and once it does the budget starts from there."""
+    spin = _spent(Spin(200e-6))
+    for _ in range(8):
+        spin.slept(60e-6)
+    assert spin.slept_mean == pytest.approx(60e-6)
+    budgets = [spin.budget() for _ in range(PROBE_EVERY)]
+    assert budgets[:-1] == [0.0] * (PROBE_EVERY - 1)
+    assert budgets[-1] == pytest.approx(PROBE_MARGIN * 60e-6)
+    spin.hit()
+    assert spin.now == pytest.approx(PROBE_MARGIN * 60e-6 + PROBE)
+    spin.miss()  # a try that runs out halves as any spin does
+    assert spin.now == pytest.approx((PROBE_MARGIN * 60e-6 + PROBE) / 2)
+
+
+def test_the_mean_follows_the_sleeps_and_ignores_long_ones() -> None:
+    spin = _spent(Spin(200e-6))
+    spin.slept(1.0)  # longer than the limit: no spin would have caught it
+    assert spin.slept_mean == 0.0
+    spin.slept(40e-6)
+    spin.slept(80e-6)
+    assert spin.slept_mean == pytest.approx(40e-6 + SLEEP_WEIGHT * 40e-6)
+    spin.slept(300e-6)
+    assert spin.slept_mean == pytest.approx(40e-6 + SLEEP_WEIGHT * 40e-6)
+    tries = [spin.budget() for _ in range(PROBE_EVERY)]
+    assert tries[-1] == pytest.approx(PROBE_MARGIN * (40e-6 + SLEEP_WEIGHT * 40e-6))
+    long_sleeper = _spent(Spin(200e-6))
+    long_sleeper.slept(190e-6)  # a try never spins past the limit
+    assert [long_sleeper.budget() for _ in range(PROBE_EVERY)][-1] == 200e-6
 
 
 pytestmark = pytest.mark.anyio
