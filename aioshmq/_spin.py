@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 PROBE = 25e-6  # s: the shortest spin a reader tries again with, once spinning stopped paying
-PROBE_EVERY = 32  # sleeps between two such tries
+PROBE_EVERY = 32  # sleeps between two such tries, at first
+PROBE_EVERY_MOST = 1024  # ... doubled by each try that fails, up to this
 SLEEP_WEIGHT = 0.25  # the weight of the latest sleep in the running mean of short sleeps
 PROBE_MARGIN = 1.25  # a try spins this many times that mean: long enough to catch the next
 
@@ -18,7 +19,10 @@ class Spin:
     spinning reader takes the CPU its writer needs and the spins catch nothing, the reader
     soon sleeps at once, as with ``spin=0``; every ``PROBE_EVERY`` sleeps it tries a spin
     again, in case the machine has a CPU to spare by then.  While spins keep catching
-    messages, it spins as long as allowed.
+    messages, it spins as long as allowed.  Each try that fails doubles the number of sleeps
+    before the next, up to ``PROBE_EVERY_MOST``, so where no spin can catch anything (both
+    processes on one CPU) the tries soon cost nearly nothing; one that catches a message
+    brings the count back to ``PROBE_EVERY``.
 
     The try lasts as long as the reader's recent sleeps (a running mean of those shorter
     than ``limit``, with a margin), at least ``PROBE``: when messages come steadily, a few
@@ -27,12 +31,13 @@ class Spin:
     longer than ``limit`` (messages rare, or a writer starved of CPU) tries ``PROBE`` alone.
     """
 
-    __slots__ = ("caught", "limit", "missed", "now", "sleeps", "slept_mean", "tried")
+    __slots__ = ("caught", "every", "limit", "missed", "now", "sleeps", "slept_mean", "tried")
 
     def __init__(self, limit: float) -> None:
         self.limit = limit
         self.now = limit
         self.sleeps = 0
+        self.every = PROBE_EVERY  # sleeps between two tries
         self.caught = 0  # spins that caught a message
         self.missed = 0  # spins that ran out
         self.slept_mean = 0.0  # the running mean of sleeps shorter than limit (0: none yet)
@@ -44,7 +49,7 @@ class Spin:
             self.tried = self.now
             return self.now
         self.sleeps += 1
-        if self.sleeps >= PROBE_EVERY:
+        if self.sleeps >= self.every:
             self.sleeps = 0
             self.tried = min(self.limit, max(PROBE, PROBE_MARGIN * self.slept_mean))
             return self.tried
@@ -56,10 +61,13 @@ class Spin:
         self.caught += 1
         self.now = min(self.limit, max(self.now, self.tried) + PROBE)
         self.tried = 0.0
+        self.every = PROBE_EVERY
 
     def miss(self) -> None:
         """The spin ran out: the reader sleeps after all."""
         self.missed += 1
+        if not self.now and self.tried:  # a try failed
+            self.every = min(PROBE_EVERY_MOST, 2 * self.every)
         self.now = self.now / 2 if self.now > PROBE else 0.0
         self.tried = 0.0
 

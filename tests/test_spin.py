@@ -6,7 +6,7 @@ import anyio
 import pytest
 
 import aioshmq
-from aioshmq._spin import PROBE, PROBE_EVERY, PROBE_MARGIN, SLEEP_WEIGHT, Spin
+from aioshmq._spin import PROBE, PROBE_EVERY, PROBE_EVERY_MOST, PROBE_MARGIN, SLEEP_WEIGHT, Spin
 
 
 def test_misses_halve_the_budget_down_to_nothing_and_hits_grow_it_slowly() -> None:
@@ -57,6 +57,26 @@ def test_a_try_lasts_as_long_as_the_recent_short_sleeps() -> None:
     assert spin.now == pytest.approx(PROBE_MARGIN * 60e-6 + PROBE)
     spin.miss()  # a try that runs out halves as any spin does
     assert spin.now == pytest.approx((PROBE_MARGIN * 60e-6 + PROBE) / 2)
+
+
+def test_failed_tries_come_ever_more_rarely_until_one_catches_a_message() -> None:
+    """Where no spin can catch anything (both processes on one CPU), each failed try
+    doubles the sleeps before the next, up to a bound; a try that catches resets them."""
+    spin = _spent(Spin(200e-6))
+    gaps = []
+    for _ in range(8):
+        sleeps = 1
+        while not spin.budget():
+            sleeps += 1
+        gaps.append(sleeps)
+        spin.miss()
+    assert gaps == [PROBE_EVERY * 2**i for i in range(6)] + [PROBE_EVERY_MOST] * 2
+    while not spin.budget():
+        pass
+    spin.hit()
+    assert spin.every == PROBE_EVERY and spin.now == pytest.approx(2 * PROBE)
+    spin.miss()  # a spin that is not a try changes nothing about tries
+    assert spin.every == PROBE_EVERY
 
 
 def test_the_mean_follows_the_sleeps_and_ignores_long_ones() -> None:
