@@ -36,8 +36,13 @@ _current_task: Callable[[Any], Any] = (
 current_task = _current_task  # the task a loop runs now, without a getpid()
 
 _states: Any
+_types: tuple[Any, Any] = (None, None)  # anyio's TaskState and CancelScope (asyncio backend)
 try:  # anyio's per-task record of the innermost cancel scope (asyncio backend)
+    from anyio._backends._asyncio import CancelScope as _Scope
+    from anyio._backends._asyncio import TaskState as _State
     from anyio._backends._asyncio import _task_states as _states
+
+    _types = (_State, _Scope)
 except ImportError:  # pragma: no cover - another anyio: the public function serves
     _states = None
 
@@ -120,7 +125,7 @@ def _compiled() -> Callable[[], Checkpoint | None] | None:
         from . import _cancel_c
     except ImportError:  # built before it existed: the pure check serves
         return None
-    _cancel_c.setup(_seen, _current_tasks, _cache, _fast, checkpoint, _pending_checkpoint)
+    _cancel_c.setup(_seen, _current_tasks, _cache, _fast, checkpoint, _pending_checkpoint, *_types)
     return _cancel_c.pending_checkpoint
 
 

@@ -11,6 +11,13 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <pythread.h>
+#include <structmember.h>
+
+#ifdef Py_T_OBJECT_EX
+#define OBJECT_SLOT Py_T_OBJECT_EX
+#else
+#define OBJECT_SLOT T_OBJECT_EX
+#endif
 
 static PyObject *seen;          /* list: [(thread id, loop, whether loop._thread_id is set)] */
 static PyObject *current_tasks; /* asyncio.tasks._current_tasks: loop -> task */
@@ -19,6 +26,23 @@ static PyObject *fast;          /* list: [whether anyio's task state is usable] 
 static PyObject *checkpoint;    /* anyio.lowlevel.checkpoint: what a cancelled task awaits */
 static PyObject *slow;          /* the pure function */
 static PyObject *s_thread_id, *s_cancel_scope, *s_cancel_called, *s_shield, *s_parent_scope;
+
+/* anyio keeps what the walk reads in slots of its TaskState and CancelScope: their offsets,
+ * from the types' member descriptors at setup, are read directly on objects of exactly
+ * those types (a read by name costs several times more); anything else is read by name. */
+typedef struct {
+    PyTypeObject *type; /* a strong reference, or NULL: read by name */
+    Py_ssize_t offset;
+    PyObject **name;
+} Field;
+static Field f_cancel_scope = {NULL, 0, &s_cancel_scope};
+static Field f_cancel_called = {NULL, 0, &s_cancel_called};
+static Field f_shield = {NULL, 0, &s_shield};
+static Field f_parent_scope = {NULL, 0, &s_parent_scope};
+
+/* The task answered for last, as a weakref, and its anyio state: a task asks again and
+ * again, and this spares the lookup in the shared cache (an int made per ask). */
+static PyObject *last_ref, *last_state;
 
 /* The referent of weakref ``ref`` as a new reference, or NULL (with no error) if dead. */
 static PyObject *referent(PyObject *ref) {
@@ -41,42 +65,74 @@ static PyObject *referent(PyObject *ref) {
 #endif
 }
 
-/* 1 if attribute ``name`` of ``obj`` is true, 0 if false, -1 if it is missing (no error set)
- * or its truth raised (error set). */
-static int attr_true(PyObject *obj, PyObject *name) {
-    PyObject *value = PyObject_GetAttr(obj, name);
-    if (value == NULL) {
-        if (PyErr_ExceptionMatches(PyExc_AttributeError)) PyErr_Clear();
-        return -1;
+/* Field ``f`` of ``obj`` as a new reference, or NULL if it is missing (no error set). */
+static PyObject *field(PyObject *obj, const Field *f) {
+    if (f->type != NULL && Py_TYPE(obj) == f->type) {
+        PyObject *value = *(PyObject **)((char *)obj + f->offset);
+        return value == NULL ? NULL : Py_NewRef(value);
     }
-    int truth = PyObject_IsTrue(value);
+    PyObject *value = PyObject_GetAttr(obj, *f->name);
+    if (value == NULL && PyErr_ExceptionMatches(PyExc_AttributeError)) PyErr_Clear();
+    return value;
+}
+
+/* 1 if field ``f`` of ``obj`` is true, 0 if false, -1 if it is missing (no error set) or
+ * its truth raised (error set). */
+static int field_true(PyObject *obj, const Field *f) {
+    PyObject *value = field(obj, f);
+    if (value == NULL) return -1;
+    int truth = value == Py_True ? 1 : value == Py_False ? 0 : PyObject_IsTrue(value);
     Py_DECREF(value);
     return truth;
+}
+
+/* Where type ``tp`` keeps attribute ``name`` of its instances: ``f`` is set up to read the
+ * slot if it is one of ``tp``'s own object slots, else left to read by name. */
+static int find_slot(PyObject *tp, Field *f) {
+    Py_CLEAR(f->type);
+    if (tp == Py_None) return 0;
+    if (!PyType_Check(tp)) {
+        PyErr_SetString(PyExc_TypeError, "expected a type or None");
+        return -1;
+    }
+    PyObject *descr = PyObject_GetAttr(tp, *f->name);
+    if (descr == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
+        PyErr_Clear();
+        return 0;
+    }
+    if (Py_IS_TYPE(descr, &PyMemberDescr_Type)) {
+        PyMemberDescrObject *member = (PyMemberDescrObject *)descr;
+        if (member->d_common.d_type == (PyTypeObject *)tp && member->d_member->type == OBJECT_SLOT
+            && member->d_member->offset > 0) {
+            f->type = (PyTypeObject *)Py_NewRef(tp);
+            f->offset = member->d_member->offset;
+        }
+    }
+    Py_DECREF(descr);
+    return 0;
 }
 
 /* The cancelled-scope walk of the pure function: 1 if a scope up to the first shield is
  * cancelled, 0 if none is, -1 if anyio's attributes are not where they should be. */
 static int scope_cancelled(PyObject *state) {
-    PyObject *scope = PyObject_GetAttr(state, s_cancel_scope);
+    PyObject *scope = field(state, &f_cancel_scope);
     while (scope != NULL && scope != Py_None) {
-        int called = attr_true(scope, s_cancel_called);
+        int called = field_true(scope, &f_cancel_called);
         if (called != 0) {
             Py_DECREF(scope);
             return called;
         }
-        int shield = attr_true(scope, s_shield);
+        int shield = field_true(scope, &f_shield);
         if (shield != 0) {
             Py_DECREF(scope);
             return shield > 0 ? 0 : -1;
         }
-        PyObject *parent = PyObject_GetAttr(scope, s_parent_scope);
+        PyObject *parent = field(scope, &f_parent_scope);
         Py_DECREF(scope);
         scope = parent;
     }
-    if (scope == NULL) {
-        if (PyErr_ExceptionMatches(PyExc_AttributeError)) PyErr_Clear();
-        return -1;
-    }
+    if (scope == NULL) return -1;
     Py_DECREF(scope);
     return 0;
 }
@@ -122,23 +178,33 @@ static PyObject *pending_checkpoint(PyObject *module, PyObject *unused) {
     if (PyList_GET_ITEM(fast, 0) != Py_True) return PyObject_CallNoArgs(slow);
     PyObject *task = known_task();
     if (task == NULL) return PyObject_CallNoArgs(slow);
-    PyObject *key = PyLong_FromVoidPtr(task);
-    if (key == NULL) {
-        Py_DECREF(task);
-        return NULL;
-    }
-    PyObject *entry = PyDict_GetItemWithError(cache, key); /* borrowed */
-    Py_DECREF(key);
     PyObject *state = NULL;
-    if (entry != NULL && PyTuple_CheckExact(entry) && PyTuple_GET_SIZE(entry) == 2) {
-        PyObject *target = referent(PyTuple_GET_ITEM(entry, 0));
-        if (target == task) {
-            state = PyTuple_GET_ITEM(entry, 1);
-            Py_INCREF(state);
-        }
+    if (last_ref != NULL) {
+        PyObject *target = referent(last_ref);
+        if (target == task) state = Py_NewRef(last_state);
         Py_XDECREF(target);
     }
-    if (PyErr_Occurred()) PyErr_Clear();
+    if (state == NULL) {
+        PyObject *key = PyLong_FromVoidPtr(task);
+        if (key == NULL) {
+            Py_DECREF(task);
+            return NULL;
+        }
+        PyObject *entry = PyDict_GetItemWithError(cache, key); /* borrowed */
+        Py_DECREF(key);
+        if (entry != NULL && PyTuple_CheckExact(entry) && PyTuple_GET_SIZE(entry) == 2) {
+            PyObject *ref = Py_NewRef(PyTuple_GET_ITEM(entry, 0));
+            PyObject *target = referent(ref);
+            if (target == task) {
+                state = Py_NewRef(PyTuple_GET_ITEM(entry, 1));
+                Py_XSETREF(last_state, Py_NewRef(state));
+                Py_XSETREF(last_ref, Py_NewRef(ref));
+            }
+            Py_XDECREF(target);
+            Py_DECREF(ref);
+        }
+        if (PyErr_Occurred()) PyErr_Clear();
+    }
     Py_DECREF(task);
     if (state == NULL) return PyObject_CallNoArgs(slow);
     int cancelled = scope_cancelled(state);
@@ -153,14 +219,20 @@ static PyObject *pending_checkpoint(PyObject *module, PyObject *unused) {
 
 static PyObject *setup(PyObject *module, PyObject *args) {
     PyObject *a_seen, *a_tasks, *a_cache, *a_fast, *a_checkpoint, *a_slow;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!OO:setup", &PyList_Type, &a_seen, &PyDict_Type,
+    PyObject *a_state_type = Py_None, *a_scope_type = Py_None;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!OO|OO:setup", &PyList_Type, &a_seen, &PyDict_Type,
                           &a_tasks, &PyDict_Type, &a_cache, &PyList_Type, &a_fast,
-                          &a_checkpoint, &a_slow))
+                          &a_checkpoint, &a_slow, &a_state_type, &a_scope_type))
         return NULL;
     if (PyList_GET_SIZE(a_seen) != 1 || PyList_GET_SIZE(a_fast) != 1) {
         PyErr_SetString(PyExc_ValueError, "seen and fast must be lists of one item");
         return NULL;
     }
+    if (find_slot(a_state_type, &f_cancel_scope) < 0 || find_slot(a_scope_type, &f_cancel_called) < 0
+        || find_slot(a_scope_type, &f_shield) < 0 || find_slot(a_scope_type, &f_parent_scope) < 0)
+        return NULL;
+    Py_CLEAR(last_ref);
+    Py_CLEAR(last_state);
     Py_XSETREF(seen, Py_NewRef(a_seen));
     Py_XSETREF(current_tasks, Py_NewRef(a_tasks));
     Py_XSETREF(cache, Py_NewRef(a_cache));
@@ -170,11 +242,23 @@ static PyObject *setup(PyObject *module, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *direct_fields(PyObject *module, PyObject *unused) {
+    const Field *fields[] = {&f_cancel_scope, &f_cancel_called, &f_shield, &f_parent_scope};
+    PyObject *names = PyList_New(0);
+    for (size_t i = 0; names != NULL && i < sizeof fields / sizeof fields[0]; i++) {
+        if (fields[i]->type != NULL && PyList_Append(names, *fields[i]->name) < 0) Py_CLEAR(names);
+    }
+    return names;
+}
+
 static PyMethodDef methods[] = {
+    {"direct_fields", direct_fields, METH_NOARGS,
+     "The names of the attributes read from their slots, not by name."},
     {"pending_checkpoint", pending_checkpoint, METH_NOARGS,
      "What to await so that a pending cancellation is raised now, or None if none is."},
     {"setup", setup, METH_VARARGS,
-     "setup(seen, current_tasks, cache, fast, checkpoint, slow): the state to read."},
+     "setup(seen, current_tasks, cache, fast, checkpoint, slow, state_type=None, "
+     "scope_type=None): the state to read, and the types whose slots it reads directly."},
     {NULL, NULL, 0, NULL},
 };
 

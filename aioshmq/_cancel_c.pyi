@@ -10,5 +10,8 @@ def setup(
     fast: list[bool],
     checkpoint: Callable[[], Awaitable[None]],
     slow: Callable[[], Callable[[], Awaitable[None]] | None],
+    state_type: type | None = None,
+    scope_type: type | None = None,
     /,
 ) -> None: ...
+def direct_fields() -> list[str]: ...

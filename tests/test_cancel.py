@@ -202,6 +202,56 @@ async def test_the_compiled_check_answers_as_the_pure_one(anyio_backend: object)
         assert check() is pure()  # this thread's own answer, after the other loop's
 
 
+async def test_the_compiled_check_tells_tasks_apart(anyio_backend: object) -> None:
+    """Two tasks asking in turn, one in a cancelled scope (then shielded from it) and one
+    not: each gets its own answer, the pure function's, whichever task asked last."""
+    check, pure = _cancel.pending_checkpoint, _cancel._pending_checkpoint
+    answers: dict[str, list[tuple[object, object]]] = {"cancelled": [], "free": []}
+    steps = [anyio.Event() for _ in range(9)]
+
+    async def ask(name: str, first: int) -> None:
+        with anyio.CancelScope() as outer:
+            if name == "cancelled":
+                outer.cancel()
+            with anyio.CancelScope() as inner:
+                for step in range(first, 8, 2):
+                    with anyio.CancelScope(shield=True):  # waits in turn, cancelled or not
+                        await steps[step].wait()
+                    if step >= 4:
+                        inner.shield = True  # from now on the outer scope is not seen
+                    answers[name].append((check(), pure()))
+                    steps[step + 1].set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ask, "cancelled", 0)
+        tg.start_soon(ask, "free", 1)
+        steps[0].set()
+    for name, pairs in answers.items():
+        assert [a is b for a, b in pairs] == [True] * 4, name
+    if anyio_backend == "trio":
+        return  # both hand back trio's own check, whose answer is trio's to give
+    assert [a is not None for a, _ in answers["cancelled"]] == [True, True, False, False]
+    assert [a for a, _ in answers["free"]] == [None] * 4
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_the_compiled_check_reads_anyio_slots(anyio_backend: str) -> None:
+    """On this anyio the compiled check reads the task state and the scopes from their slots
+    (several times cheaper than by name); if anyio ever changes them, it reads them by name
+    and answers the same: this test then says so."""
+    if aioshmq.CORE != "compiled":
+        pytest.skip("the pure core reads attributes by name")
+    from aioshmq import _cancel_c
+
+    _cancel.pending_checkpoint()
+    assert _cancel_c.direct_fields() == [
+        "cancel_scope",
+        "_cancel_called",
+        "_shield",
+        "_parent_scope",
+    ]
+
+
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_the_cheap_path_is_in_use_on_asyncio(anyio_backend: str) -> None:
     """On this anyio the check reads anyio's task state directly; if anyio ever changes
