@@ -1,4 +1,5 @@
-/* The ends' cancellation check in C: the compiled twin of aioshmq/_cancel.py's common case.
+/* The ends' cancellation check in C: the compiled twin of aioshmq/_cancel.py's common case
+ * (and of aioshmq/_end.py's in_event_loop, the check that refuses a blocking call in a loop).
  *
  * pending_checkpoint() answers what aioshmq._cancel's pure function answers, reading the
  * same state: the thread's last loop (_cancel._seen), asyncio's current tasks, and the
@@ -242,6 +243,41 @@ static PyObject *setup(PyObject *module, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* in_event_loop(): the twin of aioshmq._end's pure function, set up by setup_loop_check.
+ * It answers itself where no trio is imported (most processes that call put_sync), and
+ * calls the pure function wherever trio could be running. */
+static PyObject *running_loop; /* asyncio.events._get_running_loop */
+static PyObject *modules;      /* sys.modules */
+static PyObject *slow_in_loop; /* the pure function */
+static PyObject *s_trio;
+
+static PyObject *in_event_loop(PyObject *module, PyObject *unused) {
+    if (slow_in_loop == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "aioshmq._cancel_c.setup_loop_check() was not called");
+        return NULL;
+    }
+    PyObject *loop = PyObject_CallNoArgs(running_loop);
+    if (loop == NULL) return NULL;
+    int running = loop != Py_None;
+    Py_DECREF(loop);
+    if (running) Py_RETURN_TRUE;
+    if (!PyDict_CheckExact(modules)) return PyObject_CallNoArgs(slow_in_loop);
+    PyObject *trio = PyDict_GetItemWithError(modules, s_trio); /* borrowed */
+    if (trio != NULL) return PyObject_CallNoArgs(slow_in_loop);
+    if (PyErr_Occurred()) return NULL;
+    Py_RETURN_FALSE;
+}
+
+static PyObject *setup_loop_check(PyObject *module, PyObject *args) {
+    PyObject *a_running, *a_modules, *a_slow;
+    if (!PyArg_ParseTuple(args, "OOO:setup_loop_check", &a_running, &a_modules, &a_slow))
+        return NULL;
+    Py_XSETREF(running_loop, Py_NewRef(a_running));
+    Py_XSETREF(modules, Py_NewRef(a_modules));
+    Py_XSETREF(slow_in_loop, Py_NewRef(a_slow));
+    Py_RETURN_NONE;
+}
+
 static PyObject *direct_fields(PyObject *module, PyObject *unused) {
     const Field *fields[] = {&f_cancel_scope, &f_cancel_called, &f_shield, &f_parent_scope};
     PyObject *names = PyList_New(0);
@@ -252,6 +288,10 @@ static PyObject *direct_fields(PyObject *module, PyObject *unused) {
 }
 
 static PyMethodDef methods[] = {
+    {"in_event_loop", in_event_loop, METH_NOARGS,
+     "Whether this thread is running an asyncio or trio event loop right now."},
+    {"setup_loop_check", setup_loop_check, METH_VARARGS,
+     "setup_loop_check(get_running_loop, modules, slow): what in_event_loop() reads."},
     {"direct_fields", direct_fields, METH_NOARGS,
      "The names of the attributes read from their slots, not by name."},
     {"pending_checkpoint", pending_checkpoint, METH_NOARGS,
@@ -274,7 +314,9 @@ PyMODINIT_FUNC PyInit__cancel_c(void) {
     s_cancel_called = PyUnicode_InternFromString("_cancel_called");
     s_shield = PyUnicode_InternFromString("_shield");
     s_parent_scope = PyUnicode_InternFromString("_parent_scope");
-    if (!s_thread_id || !s_cancel_scope || !s_cancel_called || !s_shield || !s_parent_scope)
+    s_trio = PyUnicode_InternFromString("trio");
+    if (!s_thread_id || !s_cancel_scope || !s_cancel_called || !s_shield || !s_parent_scope
+        || !s_trio)
         return NULL;
     return PyModule_Create(&module_def);
 }

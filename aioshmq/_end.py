@@ -18,6 +18,7 @@ from typing import Self
 import anyio
 from anyio.lowlevel import checkpoint
 
+from . import _switch
 from ._cancel import current_task as _current_task
 from ._notify import Notifier
 from ._tasklock import TaskLock
@@ -39,7 +40,7 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def in_event_loop(
+def _in_event_loop(
     _running: Callable[[], object] = asyncio.events._get_running_loop,
     _modules: dict[str, ModuleType] = sys.modules,
 ) -> bool:
@@ -48,6 +49,22 @@ def in_event_loop(
         return True
     trio = _modules.get("trio")
     return trio is not None and bool(trio.lowlevel.in_trio_run())
+
+
+def _compiled_in_event_loop() -> Callable[[], bool] | None:
+    """The compiled twin of ``_in_event_loop`` (every put_sync and get_sync asks), if the
+    compiled core runs; it calls the pure function wherever trio is imported."""
+    if not _switch.COMPILED:
+        return None
+    try:
+        from . import _cancel_c
+    except ImportError:  # built before it existed: the pure check serves
+        return None
+    _cancel_c.setup_loop_check(asyncio.events._get_running_loop, sys.modules, _in_event_loop)
+    return _cancel_c.in_event_loop
+
+
+in_event_loop: Callable[[], bool] = _compiled_in_event_loop() or _in_event_loop
 
 
 class End:

@@ -370,3 +370,82 @@ async def test_ends_open_in_one_task_and_close_in_another(anyio_backend: object)
     await r.__aexit__(None, None, None)
     await w.__aexit__(None, None, None)
     assert w._closed and r._closed
+
+
+def _loop_check_answers() -> list[tuple[str, bool, bool]]:
+    """``in_event_loop`` (compiled or pure, as chosen) next to the pure function, in each
+    state a thread can be in."""
+    import anyio
+
+    from aioshmq import _end
+
+    check, pure = _end.in_event_loop, _end._in_event_loop
+    answers = [("no loop", check(), pure())]
+
+    async def inside(name: str) -> None:
+        answers.append((name, check(), pure()))
+        here = await anyio.to_thread.run_sync(lambda: (check(), pure()))
+        answers.append((f"{name}'s worker thread", *here))
+
+    anyio.run(inside, "asyncio", backend="asyncio")
+    anyio.run(inside, "uvloop", backend="asyncio", backend_options={"use_uvloop": True})
+    answers.append(("after the loops", check(), pure()))
+    return answers
+
+
+_LOOP_CHECK_EXPECTED = {
+    "no loop": False,
+    "asyncio": True,
+    "asyncio's worker thread": False,
+    "uvloop": True,
+    "uvloop's worker thread": False,
+    "after the loops": False,
+}
+
+
+def test_the_compiled_loop_check_answers_as_the_pure_one() -> None:
+    """Where the compiled core runs, ``in_event_loop`` (which every ``put_sync`` and
+    ``get_sync`` asks) is its twin of the pure function: the same answer everywhere, trio's
+    loop included (with trio imported it asks the pure function)."""
+    import anyio
+
+    from aioshmq import _end
+
+    if aioshmq.CORE == "compiled":
+        assert _end.in_event_loop is not _end._in_event_loop
+    answers = _loop_check_answers()
+
+    async def in_trio() -> tuple[bool, bool]:
+        return _end.in_event_loop(), _end._in_event_loop()
+
+    answers.append(("trio", *anyio.run(in_trio, backend="trio")))
+    assert {name: a for name, a, b in answers if a is b} == {**_LOOP_CHECK_EXPECTED, "trio": True}
+
+
+def test_the_loop_check_without_trio_imported() -> None:
+    """The same in a fresh interpreter (started by subprocess, so no start method applies)
+    where trio was never imported: the compiled twin then answers on its own."""
+    import json
+    import subprocess
+    import sys
+
+    code = (
+        "import json, sys, test_end\n"
+        "answers = test_end._loop_check_answers()\n"
+        "assert 'trio' not in sys.modules, 'trio was imported'\n"
+        "print(json.dumps([answers, __import__('aioshmq').CORE]))\n"
+    )
+    root, path = os.path.dirname(os.path.dirname(aioshmq.__file__)), os.environ.get("PYTHONPATH")
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=os.path.dirname(__file__),
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (root, path)))},
+    )
+    assert done.returncode == 0, done.stderr
+    answers, core = json.loads(done.stdout)
+    assert core == aioshmq.CORE
+    assert {name: a for name, a, b in answers if a is b} == _LOOP_CHECK_EXPECTED
