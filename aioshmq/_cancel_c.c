@@ -304,7 +304,8 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT, "aioshmq._cancel_c",
-    "The ends' cancellation check in C: the compiled twin of aioshmq._cancel's common case.",
+    "The ends' cancellation and event-loop checks in C: twins of aioshmq._cancel's common "
+    "case and of aioshmq._end.in_event_loop.",
     -1, methods,
 };
 
