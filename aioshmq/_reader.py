@@ -305,9 +305,8 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
                 pid=self._writer_pid,
             )
 
-    async def _wait(self) -> bool:
-        """Wait for a message or the writer's end: True if it slept on the wait fd (a
-        cancellation point), False if it only spun or found one without sleeping."""
+    async def _wait(self) -> None:
+        """Wait for a message or the writer's end (spinning, or asleep on the wait fd)."""
         ring = self._ring
         spin = self._spinner.budget()
         if spin:
@@ -319,7 +318,7 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
                 self._check()
                 if ring.available() or ring.w[ring.w_closed]:
                     self._spinner.hit()
-                    return False
+                    return
                 if time.monotonic() >= deadline:
                     self._spinner.miss()
                     break
@@ -335,7 +334,7 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
             if self._closed:  # its close wake-up was just drained: never sleep now
                 self._check()
             if not ring.prepare_sleep():
-                return False
+                return
             start = time.monotonic()
             try:
                 await self._sleep()
@@ -347,7 +346,6 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
                 self._writer_gone()
             else:
                 self._spinner.slept(time.monotonic() - start)
-            return True
         finally:
             if token is not None:
                 self._unhold(token)
@@ -416,28 +414,22 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         if self._closed:
             self._check()
         lock, ring = self._lock, self._ring
-        # Whether a cancellation would have been raised by now.  A get that is bound to
-        # sleep leaves that to the sleep: awaiting the wait fd is a cancellation point.
-        checked = True
         if time.monotonic() >= self._next_yield:
             await self._pace()
             self._check()
-        elif not (self._pending or self._deferred is not None or ring.available()):
-            checked = False
         elif (cancelled := pending_checkpoint()) is not None:
             await cancelled()
-        looked = not checked  # found the ring empty: wait before looking again
+        looked = False  # found the ring empty: wait before looking again
         if not lock.held:
-            if checked:
-                if not self._pending and self._deferred is None:
-                    obj = ring.get_plain(self._loads_plain, _EMPTY)
-                    if obj is not _EMPTY:
-                        return obj  # type: ignore[no-any-return]
-                    looked = ring.tail == ring.head
-                if not looked:
-                    obj = self._poll()
-                    if obj is not _EMPTY:
-                        return obj  # type: ignore[no-any-return]
+            if not self._pending and self._deferred is None:
+                obj = ring.get_plain(self._loads_plain, _EMPTY)
+                if obj is not _EMPTY:
+                    return obj  # type: ignore[no-any-return]
+                looked = ring.tail == ring.head
+            if not looked:
+                obj = self._poll()
+                if obj is not _EMPTY:
+                    return obj  # type: ignore[no-any-return]
             try:
                 lock.acquire_nowait()
             except anyio.WouldBlock:
@@ -449,19 +441,12 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         try:
             while True:
                 if looked:
-                    slept = await self._wait()
-                    if not (slept or checked) and (cancelled := pending_checkpoint()):
-                        await cancelled()
-                    checked = True
+                    await self._wait()
                     # A message after a sleep is most often a plain one: the one-call path.
                     if not self._pending and self._deferred is None:
                         obj = ring.get_plain(self._loads_plain, _EMPTY)
                         if obj is not _EMPTY:
                             return obj  # type: ignore[no-any-return]
-                elif not checked:
-                    if cancelled := pending_checkpoint():
-                        await cancelled()
-                    checked = True
                 obj = self._poll()
                 if obj is not _EMPTY:
                     return obj  # type: ignore[no-any-return]
