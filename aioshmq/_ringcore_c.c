@@ -60,6 +60,7 @@ static PyObject *CorruptedError; /* aioshmq._errors.CorruptedError */
 static PyObject *str_refresh_limits, *str_write_fd;
 static PyObject *dumps_kwnames; /* ("protocol", "buffer_callback") */
 static PyObject *five;
+static PyObject *pickle_loads; /* pickle.loads, which mem_load hands the core itself */
 
 static inline uint64_t ld(const uint64_t *p) {
     return atomic_load_explicit((au64 *)p, memory_order_relaxed);
@@ -173,6 +174,26 @@ static PyObject *mem_view(Mem *m, PyObject *owner, const uint8_t *p, uint64_t n)
     PyObject *v = PyMemoryView_FromObject(owner);
     m->export_ptr = NULL;
     return v;
+}
+
+/* ``loads`` of the message at ``p``.  pickle.loads is handed the core itself as the buffer:
+ * it takes one view before it runs any code of the stream's and keeps nothing of it once it
+ * returns, so no memoryview need be made for it.  Any other ``loads`` gets a memoryview of
+ * its own, which it may keep. */
+static PyObject *mem_load(Mem *m, PyObject *owner, PyObject *loads, const uint8_t *p,
+                          uint64_t n) {
+    if (loads == pickle_loads) {
+        m->export_ptr = (const char *)p;
+        m->export_len = (Py_ssize_t)n;
+        PyObject *obj = PyObject_Vectorcall(loads, &owner, 1, NULL);
+        m->export_ptr = NULL;
+        return obj;
+    }
+    PyObject *view = mem_view(m, owner, p, n);
+    if (view == NULL) return NULL;
+    PyObject *obj = PyObject_Vectorcall(loads, &view, 1, NULL);
+    Py_DECREF(view);
+    return obj;
 }
 
 /* One wake-up through a Notifier (an eventfd, or a pipe's write end).  Its fd is read at
@@ -807,10 +828,7 @@ static PyObject *R_get_plain(ReaderCore *self, PyObject *const *args, Py_ssize_t
     int r = R_peek_plain(self, &p, &n);
     if (r < 0) return NULL;
     if (r == 0) return Py_NewRef(args[1]);
-    PyObject *view = mem_view(m, (PyObject *)self, p, n);
-    if (view == NULL) return NULL;
-    PyObject *obj = PyObject_Vectorcall(args[0], &view, 1, NULL);
-    Py_DECREF(view);
+    PyObject *obj = mem_load(m, (PyObject *)self, args[0], p, n);
     if (m->base == NULL) { /* released while loading (closed from a __setstate__?) */
         Py_XDECREF(obj);
         mem_released(m);
@@ -859,10 +877,7 @@ static PyObject *R_get_record(ReaderCore *self, PyObject *const *args, Py_ssize_
         messages = ld(dword(m, off + 8));
         if (messages < 2 || messages > m->max_messages) return Py_NewRef(args[1]);
     }
-    PyObject *view = mem_view(m, (PyObject *)self, m->data + off + HEADER_SIZE, len);
-    if (view == NULL) return NULL;
-    PyObject *obj = PyObject_Vectorcall(args[0], &view, 1, NULL);
-    Py_DECREF(view);
+    PyObject *obj = mem_load(m, (PyObject *)self, args[0], m->data + off + HEADER_SIZE, len);
     if (m->base == NULL) {
         Py_XDECREF(obj);
         mem_released(m);
@@ -1153,7 +1168,11 @@ static int module_exec(PyObject *mod) {
     str_write_fd = PyUnicode_InternFromString("write_fd");
     dumps_kwnames = Py_BuildValue("(ss)", "protocol", "buffer_callback");
     five = PyLong_FromLong(5);
-    if (!str_refresh_limits || !str_write_fd || !dumps_kwnames || !five)
+    PyObject *pickle = PyImport_ImportModule("pickle");
+    if (pickle == NULL) return -1;
+    pickle_loads = PyObject_GetAttrString(pickle, "loads");
+    Py_DECREF(pickle);
+    if (!str_refresh_limits || !str_write_fd || !dumps_kwnames || !five || !pickle_loads)
         return -1;
     PyObject *w = PyType_FromModuleAndSpec(mod, &W_spec, NULL);
     if (w == NULL || PyModule_AddObjectRef(mod, "WriterCore", w) < 0) {

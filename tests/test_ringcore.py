@@ -337,6 +337,55 @@ def test_a_view_handed_out_keeps_the_memory_until_it_goes() -> None:
     mem.extend(b"x")
 
 
+class _ReleasesCore:
+    """Unpickles by releasing the core it is read from."""
+
+    core: Any = None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_release_core, ())
+
+
+def _release_core() -> str:
+    _ReleasesCore.core.release()
+    return "released"
+
+
+@needs_compiled
+def test_loads_is_given_the_message_and_nothing_outlives_it() -> None:
+    """pickle.loads reads the ring through the core itself, any other loads gets a view of its
+    own; after either, even one that failed or released the core mid-load, the core exports
+    nothing more and the memory goes once nothing holds it."""
+    layout = Layout(4096, 9, 1)
+    mem = _memory(layout)
+    w, r = _writer(_ringcore_c, mem, layout), _reader(_ringcore_c, mem, layout)
+    kept: list[memoryview] = []
+    assert w.put_plain(pickle.dumps(("a", 1)))
+    assert r.get_plain(lambda view: kept.append(view) or "mine", None) == "mine"
+    assert isinstance(kept[0], memoryview) and pickle.loads(kept[0]) == ("a", 1)
+    kept.pop().release()
+    assert w.put_plain(pickle.dumps(("b", 2)))
+    assert r.get_plain(pickle.loads, None) == ("b", 2)
+    assert w.put_plain(b"\x80\x05not a pickle")
+    with pytest.raises(pickle.UnpicklingError):
+        r.get_plain(pickle.loads, None)
+    assert w.put_object(("c", 3), pickle.dumps) is None  # the bad one was consumed
+    assert r.get_record(pickle.loads, None) == (("c", 3), 1)
+    with pytest.raises(BufferError):
+        memoryview(r)  # type: ignore[arg-type]
+    _ReleasesCore.core = r
+    try:
+        assert w.put_object(_ReleasesCore(), pickle.dumps) is None
+        with pytest.raises(ValueError, match="released"):
+            r.get_plain(pickle.loads, None)
+    finally:
+        _ReleasesCore.core = None
+    with pytest.raises(BufferError):
+        memoryview(r)  # type: ignore[arg-type]
+    w.release()
+    mem.extend(b"x")  # nothing exports the memory any more
+
+
 # -- ends of either kind on one ring ------------------------------------------------------------
 
 
