@@ -7,7 +7,10 @@ process to a spawned reader, one after the other through: aioshmq ``put``/``get`
 aioshmq ``put_sync``/``get_sync``, and sync pyzmq PUSH/PULL over ipc:// (pickle protocol 5).
 Prints, for each, messages a second and each side's CPU time per message
 (``time.process_time()``, kernel time included): the side with more CPU per message bounds
-the stream, and the difference from pyzmq's is what each side's code costs.
+the stream, and the difference from pyzmq's is what each side's code costs.  ``aioshmq core``
+calls the compiled core's ``put_object``/``get_plain`` straight (falling back to
+``put_sync``/``get_sync`` only to wait): the difference from ``aioshmq sync`` is what the
+ends' Python around those calls costs across processes.
 """
 
 from __future__ import annotations
@@ -41,6 +44,14 @@ def _reader(kind: str, where: str, n: int, batch: int, out: Any) -> None:
         with aioshmq.connect(where) as r:
             for _ in range(n):
                 r.get_sync(timeout=30)
+    elif kind == "aioshmq core":
+        # The core's own call (what get_sync makes when a message is there), get_sync only
+        # to wait: the cost of the ends' Python around the core, by difference.
+        with aioshmq.connect(where) as r:
+            get_plain, loads, empty = r._ring.get_plain, pickle.loads, object()
+            for _ in range(n):
+                if get_plain(loads, empty) is empty:
+                    r.get_sync(timeout=30)
     else:
         import zmq
 
@@ -93,6 +104,11 @@ def _run(kind: str, objs: list[Any], batch: int) -> tuple[float, float, float]:
         elif kind == "aioshmq sync":
             for obj in objs:
                 w.put_sync(obj, timeout=30)
+        elif kind == "aioshmq core":
+            put_object, dumps = w._ring.put_object, pickle.dumps
+            for obj in objs:
+                if put_object(obj, dumps) is not None:  # no room: wait as put_sync does
+                    w.put_sync(obj, timeout=30)
         else:
             for item in chunks if batch > 1 else objs:
                 sock.send(pickle.dumps(item, protocol=5))
@@ -117,7 +133,9 @@ def main() -> None:
     args = parser.parse_args()
     make = small_tuple if args.tuple else small_object
     objs = [make(100_000 + i) for i in range(args.messages)]
-    kinds = ["aioshmq", "pyzmq"] if args.batch > 1 else ["aioshmq", "aioshmq sync", "pyzmq"]
+    kinds = ["aioshmq", "pyzmq"]
+    if args.batch == 1:
+        kinds[1:1] = ["aioshmq sync", "aioshmq core"]
     print(f"core: {aioshmq.CORE}; {args.messages} x {make.__name__}, batch {args.batch}")
     for kind in kinds:
         rate, writer, reader = _run(kind, objs, args.batch)
