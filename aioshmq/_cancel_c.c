@@ -1,5 +1,6 @@
-/* The ends' cancellation check in C: the compiled twin of aioshmq/_cancel.py's common case
- * (and of aioshmq/_end.py's in_event_loop, the check that refuses a blocking call in a loop).
+/* The ends' checks in C: the compiled twin of aioshmq/_cancel.py's common case, of
+ * aioshmq/_end.py's in_event_loop (the check that refuses a blocking call in a loop), and
+ * of the checks put_sync and get_sync make before they call the ring core.
  *
  * pending_checkpoint() answers what aioshmq._cancel's pure function answers, reading the
  * same state: the thread's last loop (_cancel._seen), asyncio's current tasks, and the
@@ -278,6 +279,226 @@ static PyObject *setup_loop_check(PyObject *module, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* -- put_sync and get_sync ------------------------------------------------------------------
+ *
+ * The compiled twins of Writer.put_sync and Reader.get_sync, installed on the classes as
+ * method descriptors by setup_sync.  Each does what the pure method does up to the ring
+ * core's call and no further: it reads the end's state from its slots (see End.__slots__),
+ * and wherever the pure method would do anything but check and call the core (an end that
+ * is closed or halted, a loop running in this thread, the task lock held, pending messages,
+ * no room, a message that is not plain) it calls the pure method, which has touched
+ * nothing yet, or the pure method's own continuation.  So the two behave alike by
+ * construction, and the pure ones stay the reference. */
+
+static PyObject *s_closed, *s_lock, *s_ring, *s_halt, *s_pickles, *s_ser, *s_pending,
+    *s_deferred, *s_loads_plain, *s_held, *s_current, *s_torch, *s_torch_module, *s_timeout,
+    *s_put_object, *s_get_plain, *s_put_failed, *s_put_sync_rest, *s_closed_error;
+static Field f_closed = {NULL, 0, &s_closed}, f_lock = {NULL, 0, &s_lock},
+             f_ring = {NULL, 0, &s_ring}, f_halt = {NULL, 0, &s_halt},
+             f_pickles = {NULL, 0, &s_pickles}, f_ser = {NULL, 0, &s_ser},
+             f_pending = {NULL, 0, &s_pending}, f_deferred = {NULL, 0, &s_deferred},
+             f_loads_plain = {NULL, 0, &s_loads_plain}, f_held = {NULL, 0, &s_held},
+             f_current = {NULL, 0, &s_current}, f_torch = {NULL, 0, &s_torch};
+static PyObject *pure_put, *pure_get, *empty; /* the pure methods; Reader's _EMPTY */
+static PyObject *put_doc, *get_doc;            /* the docstrings the descriptors show */
+
+/* Field ``f`` of ``obj`` (an instance of ``f->type`` or a subclass: slots are inherited) as a
+ * borrowed reference, or NULL if the slot is empty or was not found at setup. */
+static PyObject *slot(PyObject *obj, const Field *f) {
+    if (f->type == NULL || !PyObject_TypeCheck(obj, f->type)) return NULL;
+    return *(PyObject **)((char *)obj + f->offset);
+}
+
+/* Where a field of ``tp``'s instances lives, for slot(): a slot ``tp`` defines itself. */
+static int find_own_slot(PyObject *tp, Field *f) {
+    if (find_slot(tp, f) < 0) return -1;
+    if (f->type == NULL) {
+        PyErr_Format(PyExc_TypeError, "%R keeps no slot %R", tp, *f->name);
+        return -1;
+    }
+    return 0;
+}
+
+/* The pure method ``pure`` called with ``end`` and the call's own arguments. */
+static PyObject *call_pure(PyObject *pure, PyObject *end, PyObject *const *args, Py_ssize_t nargs,
+                           PyObject *kwnames) {
+    Py_ssize_t n = nargs + (kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames));
+    PyObject *small[8];
+    PyObject **stack = n < 8 ? small : PyMem_New(PyObject *, n + 1);
+    if (stack == NULL) return PyErr_NoMemory();
+    stack[0] = end;
+    for (Py_ssize_t i = 0; i < n; i++) stack[i + 1] = args[i];
+    PyObject *r = PyObject_Vectorcall(pure, stack, nargs + 1, kwnames);
+    if (stack != small) PyMem_Free(stack);
+    return r;
+}
+
+/* The ``timeout`` of a call (obj, timeout=None) or (timeout=None), else NULL: the pure
+ * method, called with anything else, says what is wrong with it. */
+static int plain_call(Py_ssize_t nargs, PyObject *kwnames, Py_ssize_t positional) {
+    if (kwnames == NULL) return nargs == positional || nargs == positional + 1;
+    return nargs == positional && PyTuple_GET_SIZE(kwnames) == 1
+           && PyTuple_GET_ITEM(kwnames, 0) == s_timeout;
+}
+
+/* 1 if true, 0 if false, -1 if absent (no error) or its truth raised (error set). */
+static int truth(PyObject *value) {
+    if (value == NULL) return -1;
+    return value == Py_True ? 1 : value == Py_False ? 0 : PyObject_IsTrue(value);
+}
+
+/* 1 if a loop runs in this thread, 0 if not, -1 on error. */
+static int loop_running(void) {
+    PyObject *r = in_event_loop(NULL, NULL);
+    if (r == NULL) return -1;
+    int running = r == Py_True;
+    Py_DECREF(r);
+    return running;
+}
+
+static PyObject *sync_put(PyObject *end, PyObject *const *args, Py_ssize_t nargs,
+                          PyObject *kwnames) {
+    if (!plain_call(nargs, kwnames, 1) || pure_put == NULL)
+        return call_pure(pure_put, end, args, nargs, kwnames);
+    PyObject *lock = slot(end, &f_lock), *ser = slot(end, &f_ser), *ring = slot(end, &f_ring);
+    if (lock == NULL || ser == NULL || ring == NULL || truth(slot(end, &f_halt)) != 0
+        || slot(end, &f_pickles) != Py_True || truth(slot(lock, &f_held)) != 0
+        || (slot(ser, &f_torch) != Py_True && PyDict_Contains(modules, s_torch_module) != 0)) {
+        PyErr_Clear();
+        return call_pure(pure_put, end, args, nargs, kwnames);
+    }
+    int running = loop_running();
+    if (running != 0) {
+        if (running < 0) return NULL;
+        return call_pure(pure_put, end, args, nargs, kwnames);
+    }
+    PyObject *pickler = slot(ser, &f_current);
+    if (pickler == NULL) return call_pure(pure_put, end, args, nargs, kwnames);
+    PyObject *obj = args[0];
+    Py_INCREF(ring);
+    Py_INCREF(pickler);
+    PyObject *call[3] = {ring, obj, pickler};
+    PyObject *rest = PyObject_VectorcallMethod(s_put_object, call, 3, NULL);
+    Py_DECREF(pickler);
+    Py_DECREF(ring);
+    if (rest == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_Exception)) return NULL;
+        PyObject *type, *exc, *tb;
+        PyErr_Fetch(&type, &exc, &tb);
+        PyErr_NormalizeException(&type, &exc, &tb);
+        if (tb != NULL) PyException_SetTraceback(exc, tb);
+        PyObject *r = PyObject_CallMethodObjArgs(end, s_put_failed, obj, exc, NULL);
+        if (r == NULL) { /* what the failure means for the caller, raised from exc */
+            Py_XDECREF(type);
+            Py_XDECREF(exc);
+            Py_XDECREF(tb);
+            return NULL;
+        }
+        Py_DECREF(r);
+        PyErr_Restore(type, exc, tb);
+        return NULL;
+    }
+    if (rest == Py_None) return rest;
+    PyObject *timeout = nargs > 1 || kwnames != NULL ? args[1] : Py_None;
+    PyObject *r = PyObject_CallMethodObjArgs(end, s_put_sync_rest, obj, rest, timeout, NULL);
+    Py_DECREF(rest);
+    return r;
+}
+
+static PyObject *sync_get(PyObject *end, PyObject *const *args, Py_ssize_t nargs,
+                          PyObject *kwnames) {
+    if (!plain_call(nargs, kwnames, 0) || pure_get == NULL)
+        return call_pure(pure_get, end, args, nargs, kwnames);
+    PyObject *lock = slot(end, &f_lock), *ring = slot(end, &f_ring);
+    PyObject *pending = slot(end, &f_pending), *loads = slot(end, &f_loads_plain);
+    Py_ssize_t waiting = pending == NULL ? -1 : PyObject_Length(pending);
+    if (lock == NULL || ring == NULL || loads == NULL || waiting != 0
+        || truth(slot(end, &f_closed)) != 0 || slot(end, &f_deferred) != Py_None
+        || truth(slot(lock, &f_held)) != 0) {
+        PyErr_Clear();
+        return call_pure(pure_get, end, args, nargs, kwnames);
+    }
+    int running = loop_running();
+    if (running != 0) {
+        if (running < 0) return NULL;
+        return call_pure(pure_get, end, args, nargs, kwnames);
+    }
+    Py_INCREF(ring);
+    Py_INCREF(loads);
+    PyObject *call[3] = {ring, loads, empty};
+    PyObject *obj = PyObject_VectorcallMethod(s_get_plain, call, 3, NULL);
+    Py_DECREF(loads);
+    Py_DECREF(ring);
+    if (obj == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_ValueError) || truth(slot(end, &f_closed)) != 1)
+            return NULL;
+        PyErr_Clear(); /* closed by another thread meanwhile */
+        PyObject *closed = PyObject_CallMethodNoArgs(end, s_closed_error);
+        if (closed == NULL) return NULL;
+        PyException_SetCause(closed, NULL); /* raise ... from None */
+        PyErr_SetObject((PyObject *)Py_TYPE(closed), closed);
+        Py_DECREF(closed);
+        return NULL;
+    }
+    if (obj != empty) return obj;
+    Py_DECREF(obj);
+    return call_pure(pure_get, end, args, nargs, kwnames); /* nothing there: it waits */
+}
+
+static PyMethodDef put_sync_def = {"put_sync", (PyCFunction)(void (*)(void))sync_put,
+                                   METH_FASTCALL | METH_KEYWORDS, NULL};
+static PyMethodDef get_sync_def = {"get_sync", (PyCFunction)(void (*)(void))sync_get,
+                                   METH_FASTCALL | METH_KEYWORDS, NULL};
+
+/* The docstring a descriptor shows: a text signature for inspect, then the pure one's. */
+static int make_doc(PyMethodDef *def, PyObject **keep, const char *signature, PyObject *pure) {
+    PyObject *doc = PyObject_GetAttrString(pure, "__doc__");
+    if (doc == NULL) return -1;
+    PyObject *text = doc == Py_None ? PyUnicode_FromFormat("%s\n--\n\n", signature)
+                                    : PyUnicode_FromFormat("%s\n--\n\n%S", signature, doc);
+    Py_DECREF(doc);
+    if (text == NULL) return -1;
+    const char *utf8 = PyUnicode_AsUTF8(text);
+    if (utf8 == NULL) {
+        Py_DECREF(text);
+        return -1;
+    }
+    Py_XSETREF(*keep, text);
+    def->ml_doc = utf8;
+    return 0;
+}
+
+static PyObject *setup_sync(PyObject *module, PyObject *args) {
+    PyObject *end_t, *writer_t, *reader_t, *lock_t, *ser_t, *a_put, *a_get, *a_empty;
+    if (!PyArg_ParseTuple(args, "OOOOOOOO:setup_sync", &end_t, &writer_t, &reader_t, &lock_t,
+                          &ser_t, &a_put, &a_get, &a_empty))
+        return NULL;
+    if (modules == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "setup_loop_check() must come first");
+        return NULL;
+    }
+    if (find_own_slot(end_t, &f_closed) < 0 || find_own_slot(end_t, &f_lock) < 0
+        || find_own_slot(end_t, &f_ring) < 0 || find_own_slot(writer_t, &f_halt) < 0
+        || find_own_slot(writer_t, &f_pickles) < 0 || find_own_slot(writer_t, &f_ser) < 0
+        || find_own_slot(reader_t, &f_pending) < 0 || find_own_slot(reader_t, &f_deferred) < 0
+        || find_own_slot(reader_t, &f_loads_plain) < 0 || find_own_slot(lock_t, &f_held) < 0
+        || find_own_slot(ser_t, &f_current) < 0 || find_own_slot(ser_t, &f_torch) < 0)
+        return NULL;
+    if (make_doc(&put_sync_def, &put_doc, "put_sync($self, /, obj, timeout=None)", a_put) < 0
+        || make_doc(&get_sync_def, &get_doc, "get_sync($self, /, timeout=None)", a_get) < 0)
+        return NULL;
+    Py_XSETREF(pure_put, Py_NewRef(a_put));
+    Py_XSETREF(pure_get, Py_NewRef(a_get));
+    Py_XSETREF(empty, Py_NewRef(a_empty));
+    PyObject *put = PyDescr_NewMethod((PyTypeObject *)writer_t, &put_sync_def);
+    PyObject *get = put == NULL ? NULL : PyDescr_NewMethod((PyTypeObject *)reader_t, &get_sync_def);
+    if (get == NULL) {
+        Py_XDECREF(put);
+        return NULL;
+    }
+    return Py_BuildValue("(NN)", put, get);
+}
+
 static PyObject *direct_fields(PyObject *module, PyObject *unused) {
     const Field *fields[] = {&f_cancel_scope, &f_cancel_called, &f_shield, &f_parent_scope};
     PyObject *names = PyList_New(0);
@@ -292,6 +513,9 @@ static PyMethodDef methods[] = {
      "Whether this thread is running an asyncio or trio event loop right now."},
     {"setup_loop_check", setup_loop_check, METH_VARARGS,
      "setup_loop_check(get_running_loop, modules, slow): what in_event_loop() reads."},
+    {"setup_sync", setup_sync, METH_VARARGS,
+     "setup_sync(End, Writer, Reader, TaskLock, PickleSerializer, put_sync, get_sync, empty): "
+     "the compiled put_sync and get_sync, as method descriptors of Writer and Reader."},
     {"direct_fields", direct_fields, METH_NOARGS,
      "The names of the attributes read from their slots, not by name."},
     {"pending_checkpoint", pending_checkpoint, METH_NOARGS,
@@ -304,8 +528,8 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT, "aioshmq._cancel_c",
-    "The ends' cancellation and event-loop checks in C: twins of aioshmq._cancel's common "
-    "case and of aioshmq._end.in_event_loop.",
+    "The ends' checks in C: twins of aioshmq._cancel's common case, of "
+    "aioshmq._end.in_event_loop, and of the checks of put_sync and get_sync.",
     -1, methods,
 };
 
@@ -319,5 +543,22 @@ PyMODINIT_FUNC PyInit__cancel_c(void) {
     if (!s_thread_id || !s_cancel_scope || !s_cancel_called || !s_shield || !s_parent_scope
         || !s_trio)
         return NULL;
+    struct {
+        PyObject **s;
+        const char *text;
+    } names[] = {{&s_closed, "_closed"},       {&s_lock, "_lock"},
+                 {&s_ring, "_ring"},           {&s_halt, "_halt"},
+                 {&s_pickles, "_pickles"},     {&s_ser, "_ser"},
+                 {&s_pending, "_pending"},     {&s_deferred, "_deferred"},
+                 {&s_loads_plain, "_loads_plain"}, {&s_held, "held"},
+                 {&s_current, "_current"},     {&s_torch, "_torch"},
+                 {&s_torch_module, "torch"},   {&s_timeout, "timeout"},
+                 {&s_put_object, "put_object"}, {&s_get_plain, "get_plain"},
+                 {&s_put_failed, "_put_failed"}, {&s_put_sync_rest, "_put_sync_rest"},
+                 {&s_closed_error, "_closed_error"}};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        *names[i].s = PyUnicode_InternFromString(names[i].text);
+        if (*names[i].s == NULL) return NULL;
+    }
     return PyModule_Create(&module_def);
 }

@@ -22,3 +22,14 @@ def setup_loop_check(
     slow: Callable[[], bool],
     /,
 ) -> None: ...
+def setup_sync(
+    end: type,
+    writer: type,
+    reader: type,
+    lock: type,
+    serializer: type,
+    put_sync: Callable[..., None],
+    get_sync: Callable[..., Any],
+    empty: object,
+    /,
+) -> tuple[Any, Any]: ...

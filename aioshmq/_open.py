@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 if sys.version_info >= (3, 13):
@@ -14,11 +14,13 @@ else:
 
 import anyio
 
-from . import _reader, _writer, remote
+from . import _reader, _switch, _writer, remote
+from ._end import End
 from ._handle import Handle
 from ._notify import NotifierKind
 from ._reader import DEFAULT_SPIN, Reader
-from ._serialize import SerializerSpec
+from ._serialize import PickleSerializer, SerializerSpec
+from ._tasklock import TaskLock
 from ._writer import OnReaderDeath, Writer
 
 REMOTE = ("tcp://", "ipc://")
@@ -246,3 +248,36 @@ async def aconnect(
             for late in done:
                 late.close()
         raise
+
+
+# The pure put_sync and get_sync, whichever the classes carry (tests compare the two).
+PURE_SYNC: tuple[Callable[..., None], Callable[..., Any]] = (Writer.put_sync, Reader.get_sync)
+
+
+def _compiled_sync() -> None:
+    """Under the compiled core, ``put_sync`` and ``get_sync`` are their C twins
+    (``aioshmq._cancel_c``): each makes the pure method's checks and the ring core's call,
+    and hands everything else to the pure method, which stays the reference."""
+    if not _switch.COMPILED:
+        return
+    try:
+        from . import _cancel_c
+    except ImportError:  # built before it existed: the pure methods serve
+        return
+    global PURE_SYNC
+    PURE_SYNC = (Writer.put_sync, Reader.get_sync)
+    put, get = _cancel_c.setup_sync(
+        End,
+        Writer,
+        Reader,
+        TaskLock,
+        PickleSerializer,
+        Writer.put_sync,
+        Reader.get_sync,
+        _reader._EMPTY,
+    )
+    Writer.put_sync = put  # type: ignore[method-assign]
+    Reader.get_sync = get  # type: ignore[method-assign]
+
+
+_compiled_sync()

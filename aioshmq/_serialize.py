@@ -141,6 +141,8 @@ class PickleSerializer(Serializer):
     registered: what a reducer names is found by import, as pickle always does.
     """
 
+    __slots__ = ("_current", "_torch")  # read by the compiled put_sync (aioshmq._cancel_c)
+
     name = "pickle"
     _pickler_class: type[pickle.Pickler] = pickle.Pickler
 

@@ -147,6 +147,8 @@ def _linger(value: object) -> float:
 class Writer(End, ObjectSendStream[T], Generic[T]):
     """The writing end of a ring: every attached reader receives every message, in order."""
 
+    __slots__ = ("_halt", "_pickles", "_ser")  # read by the compiled put_sync (see End)
+
     _role = "writer"
 
     def __init__(
@@ -640,26 +642,33 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
             self._refuse_in_loop("put_sync", "writer.put(obj)")
         if self._lock.held:
             raise busy("an async put or wait_readers is under way on this writer")
-        if self._pickles:
+        if not self._pickles:
+            self._put_sync_frame(self._frame(obj), timeout)
+            return
+        try:
+            rest = self._ring.put_object(obj, self._ser.pickler)
+        except Exception as exc:
+            self._put_failed(obj, exc)
+            raise
+        if rest is not None:
+            self._put_sync_rest(obj, rest, timeout)
+
+    def _put_sync_rest(self, obj: T, rest: Any, timeout: float | None) -> None:
+        """The rest of ``put_sync`` once the core's ``put_object`` wrote nothing and left
+        ``rest`` (the compiled ``put_sync`` goes on here too)."""
+        main, buffers = self._ser.finish(obj, rest)
+        if len(buffers) == 1:
             try:
-                rest = self._ring.put_object(obj, self._ser.pickler)
-            except Exception as exc:
-                self._put_failed(obj, exc)
+                if self._ring.put_buffer(main, buffers[0]):
+                    return
+            except ValueError:
+                if self._closed:  # closed by another thread meanwhile
+                    raise self._closed_error() from None
                 raise
-            if rest is None:
-                return
-            main, buffers = self._ser.finish(obj, rest)
-            if len(buffers) == 1:
-                try:
-                    if self._ring.put_buffer(main, buffers[0]):
-                        return
-                except ValueError:
-                    if self._closed:  # closed by another thread meanwhile
-                        raise self._closed_error() from None
-                    raise
-            frame = Frame(main, buffers)
-        else:
-            frame = self._frame(obj)
+        self._put_sync_frame(Frame(main, buffers), timeout)
+
+    def _put_sync_frame(self, frame: Frame, timeout: float | None) -> None:
+        """Write ``frame``, waiting for room up to ``timeout`` s."""
         deadline = deadline_of(timeout)
         steps = self._steps([frame], self._atomic([frame]))
         since: float | None = None

@@ -289,3 +289,76 @@ async def test_tasks_taking_turns_each_get_their_own_answer(anyio_backend: str) 
         turn[0].set()
     assert answers == {"calm": [False] * 3, "cancelled": [True] * 3}
     assert len(_cancel._cache) <= _cancel._CACHED
+
+
+def _outcome(call: Callable[[], Any]) -> object:
+    try:
+        return ("returned", call())
+    except BaseException as exc:  # every outcome is compared
+        return ("raised", type(exc), str(exc))
+
+
+def test_the_compiled_sync_calls_answer_as_the_pure_ones() -> None:
+    """``put_sync`` and ``get_sync`` (C twins under the compiled core, aioshmq._cancel_c) give
+    what the pure methods give in every state they check: calls they do not take, a full or
+    empty ring, what pickle refuses, an array, a batch, the task lock held, a loop running,
+    and a closed end.  The two are called turn about on one ring."""
+    import numpy as np
+
+    from aioshmq import Reader, Writer
+    from aioshmq._open import PURE_SYNC
+
+    pure_put, pure_get = PURE_SYNC
+    if aioshmq.CORE == "compiled":
+        assert type(Writer.put_sync).__name__ == "method_descriptor"
+        assert Writer.put_sync.__doc__ == pure_put.__doc__
+        assert type(Reader.get_sync).__name__ == "method_descriptor"
+    with aioshmq.create(capacity=1 << 16, max_messages=2) as w, aioshmq.connect(w.name) as r:
+        puts: list[Callable[..., Any]] = [w.put_sync, lambda *a, **k: pure_put(w, *a, **k)]
+        gets: list[Callable[..., Any]] = [r.get_sync, lambda *a, **k: pure_get(r, *a, **k)]
+
+        def both(
+            calls: list[Callable[..., Any]], *args: Any, **kwargs: Any
+        ) -> tuple[object, object]:
+            return _outcome(lambda: calls[0](*args, **kwargs)), _outcome(
+                lambda: calls[1](*args, **kwargs)
+            )
+
+        for calls in (puts, gets):
+            for bad in ((1, 2, 3), ()):
+                if calls is gets and not bad:
+                    continue
+                a, b = both(calls, *bad)
+                assert a[:2] == b[:2] == ("raised", TypeError)
+            a, b = both(calls, **{"bogus": 1})
+            assert a[:2] == b[:2] == ("raised", TypeError)
+        assert both(gets, timeout=0) == (("raised", TimeoutError, "aioshmq reader: timed out"),) * 2
+        assert both(puts, ("t", 1)) == (("returned", None),) * 2
+        assert both(puts, ("t", 2), 0)[0] == both(puts, ("t", 2), timeout=0)[1]  # full
+        assert both(gets) == (("returned", ("t", 1)), ("returned", ("t", 1)))
+        a, b = both(gets, timeout=0)
+        assert a == b and a[0] == "raised"
+        a, b = both(puts, lambda: 0)
+        assert a[:2] == b[:2] and a[0] == "raised"
+        for put in puts:
+            put(np.arange(5))
+        for get in gets:
+            assert get(timeout=1).tolist() == [0, 1, 2, 3, 4]
+        anyio.run(w.put_many, [1, 2])
+        assert [gets[0](), gets[1]()] == [1, 2]  # the second one from the batch's rest
+        w._lock.held = True
+        r._lock.held = True
+        try:
+            assert both(puts, 3)[0] == both(puts, 3)[1]
+            assert both(gets)[0] == both(gets)[1]
+        finally:
+            w._lock.held = r._lock.held = False
+
+        async def in_a_loop() -> tuple[object, ...]:
+            return both(puts, 4) + both(gets)
+
+        a, b, c, d = anyio.run(in_a_loop)
+        assert a == b and c == d and a[0] == c[0] == "raised"
+    assert both(puts, 5)[0] == both(puts, 5)[1]
+    assert both(gets)[0] == both(gets)[1]
+    assert both(gets)[0][:2] == ("raised", anyio.ClosedResourceError)
