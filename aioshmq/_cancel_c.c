@@ -333,7 +333,7 @@ static PyObject *call_pure(PyObject *pure, PyObject *end, PyObject *const *args,
     return r;
 }
 
-/* The ``timeout`` of a call (obj, timeout=None) or (timeout=None), else NULL: the pure
+/* Whether a call is (obj, timeout=None), or (timeout=None) with ``positional`` 0: the pure
  * method, called with anything else, says what is wrong with it. */
 static int plain_call(Py_ssize_t nargs, PyObject *kwnames, Py_ssize_t positional) {
     if (kwnames == NULL) return nargs == positional || nargs == positional + 1;
@@ -347,6 +347,14 @@ static int truth(PyObject *value) {
     return value == Py_True ? 1 : value == Py_False ? 0 : PyObject_IsTrue(value);
 }
 
+/* ring.<name>(a, b), holding what it is given: a slot's value may be replaced meanwhile. */
+static PyObject *call_core(PyObject *name, PyObject *ring, PyObject *a, PyObject *b) {
+    PyObject *call[3] = {Py_NewRef(ring), Py_NewRef(a), Py_NewRef(b)};
+    PyObject *r = PyObject_VectorcallMethod(name, call, 3, NULL);
+    for (int i = 0; i < 3; i++) Py_DECREF(call[i]);
+    return r;
+}
+
 /* 1 if a loop runs in this thread, 0 if not, -1 on error. */
 static int loop_running(void) {
     PyObject *r = in_event_loop(NULL, NULL);
@@ -358,7 +366,7 @@ static int loop_running(void) {
 
 static PyObject *sync_put(PyObject *end, PyObject *const *args, Py_ssize_t nargs,
                           PyObject *kwnames) {
-    if (!plain_call(nargs, kwnames, 1) || pure_put == NULL)
+    if (!plain_call(nargs, kwnames, 1))
         return call_pure(pure_put, end, args, nargs, kwnames);
     PyObject *lock = slot(end, &f_lock), *ser = slot(end, &f_ser), *ring = slot(end, &f_ring);
     if (lock == NULL || ser == NULL || ring == NULL || truth(slot(end, &f_halt)) != 0
@@ -375,12 +383,7 @@ static PyObject *sync_put(PyObject *end, PyObject *const *args, Py_ssize_t nargs
     PyObject *pickler = slot(ser, &f_current);
     if (pickler == NULL) return call_pure(pure_put, end, args, nargs, kwnames);
     PyObject *obj = args[0];
-    Py_INCREF(ring);
-    Py_INCREF(pickler);
-    PyObject *call[3] = {ring, obj, pickler};
-    PyObject *rest = PyObject_VectorcallMethod(s_put_object, call, 3, NULL);
-    Py_DECREF(pickler);
-    Py_DECREF(ring);
+    PyObject *rest = call_core(s_put_object, ring, obj, pickler);
     if (rest == NULL) {
         if (!PyErr_ExceptionMatches(PyExc_Exception)) return NULL;
         PyObject *type, *exc, *tb;
@@ -407,7 +410,7 @@ static PyObject *sync_put(PyObject *end, PyObject *const *args, Py_ssize_t nargs
 
 static PyObject *sync_get(PyObject *end, PyObject *const *args, Py_ssize_t nargs,
                           PyObject *kwnames) {
-    if (!plain_call(nargs, kwnames, 0) || pure_get == NULL)
+    if (!plain_call(nargs, kwnames, 0))
         return call_pure(pure_get, end, args, nargs, kwnames);
     PyObject *lock = slot(end, &f_lock), *ring = slot(end, &f_ring);
     PyObject *pending = slot(end, &f_pending), *loads = slot(end, &f_loads_plain);
@@ -423,12 +426,7 @@ static PyObject *sync_get(PyObject *end, PyObject *const *args, Py_ssize_t nargs
         if (running < 0) return NULL;
         return call_pure(pure_get, end, args, nargs, kwnames);
     }
-    Py_INCREF(ring);
-    Py_INCREF(loads);
-    PyObject *call[3] = {ring, loads, empty};
-    PyObject *obj = PyObject_VectorcallMethod(s_get_plain, call, 3, NULL);
-    Py_DECREF(loads);
-    Py_DECREF(ring);
+    PyObject *obj = call_core(s_get_plain, ring, loads, empty);
     if (obj == NULL) {
         if (!PyErr_ExceptionMatches(PyExc_ValueError) || truth(slot(end, &f_closed)) != 1)
             return NULL;

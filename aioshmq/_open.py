@@ -264,8 +264,6 @@ def _compiled_sync() -> None:
         from . import _cancel_c
     except ImportError:  # built before it existed: the pure methods serve
         return
-    global PURE_SYNC
-    PURE_SYNC = (Writer.put_sync, Reader.get_sync)
     put, get = _cancel_c.setup_sync(
         End,
         Writer,
