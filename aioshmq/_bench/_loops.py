@@ -12,7 +12,7 @@ from typing import Any, TypedDict
 
 import anyio
 
-from ._peers import STOP, AioshmqMirrorChannel, Channel, Receiver, Sender
+from ._peers import STOP, SYNC_TIMEOUT, AioshmqMirrorChannel, Channel, Receiver, Sender
 from ._procs import Link, run_backend
 from ._workload import Workload, pattern_array
 
@@ -74,7 +74,7 @@ async def pump(
     await tx.wait_ready()
     if tx.blocking:
         return await anyio.to_thread.run_sync(
-            partial(_pump_sync, tx, workload, seconds, min_messages, warmup)
+            partial(_pump_sync, tx, workload, seconds, min_messages, batch, warmup)
         )
     make = workload.make
     make(0)  # allocate what the messages need before anything is timed
@@ -98,29 +98,57 @@ async def pump(
 
 
 def _pump_sync(
-    tx: Sender, workload: Workload, seconds: float, min_messages: int, warmup: int
+    tx: Sender,
+    workload: Workload,
+    seconds: float,
+    min_messages: int,
+    batch: int | None,
+    warmup: int,
 ) -> int:
-    """``pump`` one message at a time in a thread without an event loop."""
-    make, send = workload.make, tx.send_sync
+    """``pump`` in a thread without an event loop, each call given its timeout as its own
+    argument (no wrapper of the bench's around a call that takes one)."""
+    make = workload.make
     make(0)
     total = warmup + max(min_messages, 1)
     deadline = float("inf")
     n = 0
-    while n < total or time.monotonic() < deadline:
-        if n == warmup:
-            deadline = time.monotonic() + seconds
-        send(make(n))
-        n += 1
-    send(STOP)
+    if batch:
+        send_many = tx.send_many_sync
+        while n < total or time.monotonic() < deadline:
+            if n >= warmup and deadline == float("inf"):
+                deadline = time.monotonic() + seconds
+            send_many([make(n + i) for i in range(batch)], SYNC_TIMEOUT)
+            n += batch
+    else:
+        send = tx.send_sync
+        while n < total or time.monotonic() < deadline:
+            if n == warmup:
+                deadline = time.monotonic() + seconds
+            send(make(n), SYNC_TIMEOUT)
+            n += 1
+    tx.send_sync(STOP, SYNC_TIMEOUT)
     return n
 
 
-def _drain_sync(rx: Receiver, workload: Workload, warmup: int) -> tuple[int, float]:
-    """``drain`` one message at a time in a thread without an event loop."""
-    check, recv = workload.check, rx.recv_sync
+def _drain_sync(
+    rx: Receiver, workload: Workload, batch: int | None, warmup: int
+) -> tuple[int, float]:
+    """``drain`` in a thread without an event loop."""
+    check = workload.check
     n = 0
     t_first = 0.0
-    while (msg := recv()) is not STOP:
+    if batch:
+        recv_many = rx.recv_many_sync
+        while True:
+            for msg in recv_many(batch, SYNC_TIMEOUT):
+                if msg is STOP:
+                    return n, t_first
+                if n == warmup:
+                    t_first = time.monotonic()
+                check(msg, n)
+                n += 1
+    recv = rx.recv_sync
+    while (msg := recv(SYNC_TIMEOUT)) is not STOP:
         if n == warmup:
             t_first = time.monotonic()
         check(msg, n)
@@ -134,7 +162,7 @@ async def drain(
     """Receive and check every message until STOP: how many, and when message ``warmup``
     (the first one counted) arrived."""
     if rx.blocking:
-        return await anyio.to_thread.run_sync(partial(_drain_sync, rx, workload, warmup))
+        return await anyio.to_thread.run_sync(partial(_drain_sync, rx, workload, batch, warmup))
     check = workload.check
     n = 0
     t_first = 0.0

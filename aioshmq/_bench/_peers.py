@@ -41,8 +41,12 @@ class Sender:
 
     blocking = False  #: sends with ``send_sync`` from a thread without an event loop
 
-    def send_sync(self, obj: Any) -> None:
+    def send_sync(self, obj: Any, timeout: float) -> None:
         raise NotImplementedError
+
+    def send_many_sync(self, objs: list[Any], timeout: float) -> None:
+        """``send_many`` without an event loop."""
+        self.send_sync(objs, timeout)
 
     async def wait_ready(self) -> None:
         """Return once every receiver is attached, so that no message is sent into the void."""
@@ -68,8 +72,13 @@ class Receiver:
     read = "get"  #: how messages are read: "get", or "lease" (zero-copy) where available
     blocking = False  #: receives with ``recv_sync`` from a thread without an event loop
 
-    def recv_sync(self) -> Any:
+    def recv_sync(self, timeout: float) -> Any:
         raise NotImplementedError
+
+    def recv_many_sync(self, limit: int, timeout: float) -> list[Any]:
+        """``recv_many`` without an event loop."""
+        obj = self.recv_sync(timeout)
+        return obj if isinstance(obj, list) else [obj]
 
     async def recv(self) -> Any:
         raise NotImplementedError
@@ -226,23 +235,23 @@ class AioshmqChannel(Channel):
 
 
 class _AioshmqSyncSender(_AioshmqSender):
-    """``put_sync`` itself (bound with its timeout, a layer in C rather than in Python)."""
+    """``put_sync`` itself: ``put_sync(obj, timeout)``, with no layer of the bench's around it."""
 
     blocking = True
 
     def __init__(self, writer: aioshmq.Writer[Any]) -> None:
         super().__init__(writer)
-        self.send_sync = functools.partial(writer.put_sync, timeout=SYNC_TIMEOUT)  # type: ignore[method-assign]
+        self.send_sync = writer.put_sync  # type: ignore[method-assign]
 
 
 class _AioshmqSyncReceiver(_AioshmqReceiver):
-    """``get_sync`` itself (bound with its timeout, a layer in C rather than in Python)."""
+    """``get_sync`` itself: ``get_sync(timeout)``, with no layer of the bench's around it."""
 
     blocking = True
 
     def __init__(self, reader: aioshmq.Reader[Any], lease: bool) -> None:
         super().__init__(reader, lease)
-        self.recv_sync = functools.partial(reader.get_sync, timeout=SYNC_TIMEOUT)  # type: ignore[method-assign]
+        self.recv_sync = reader.get_sync  # type: ignore[method-assign]
 
 
 class AioshmqSyncChannel(AioshmqChannel):
@@ -377,6 +386,10 @@ class AioshmqMirrorChannel(AioshmqRemoteChannel):
 
 
 class _ZmqTcpSender(Sender):
+    """Sync pyzmq: streamed from a thread without an event loop, as its users would."""
+
+    blocking = True
+
     def __init__(self, channel: ZmqTcpChannel) -> None:
         zmq = importlib.import_module("zmq")
         self._arrays = channel.arrays
@@ -396,13 +409,16 @@ class _ZmqTcpSender(Sender):
             self.close()
             raise
 
-    async def send(self, obj: Any) -> None:
+    def send_sync(self, obj: Any, timeout: float) -> None:  # the socket's sndtimeo bounds it
         if not self._arrays:
             self._sock.send(pickle.dumps(obj, protocol=5))
             return
         buffers: list[pickle.PickleBuffer] = []
         head = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
         self._sock.send_multipart([head, *(b.raw() for b in buffers)], copy=False)
+
+    async def send(self, obj: Any) -> None:
+        self.send_sync(obj, SYNC_TIMEOUT)
 
     def close(self) -> None:
         if not self._ctx.closed:
@@ -411,6 +427,10 @@ class _ZmqTcpSender(Sender):
 
 
 class _ZmqTcpReceiver(Receiver):
+    """Sync pyzmq: drained in a thread without an event loop, as its users would."""
+
+    blocking = True
+
     def __init__(self, channel: ZmqTcpChannel) -> None:
         zmq = importlib.import_module("zmq")
         self._arrays = channel.arrays
@@ -429,11 +449,14 @@ class _ZmqTcpReceiver(Receiver):
             self.close()
             raise
 
-    async def recv(self) -> Any:
+    def recv_sync(self, timeout: float) -> Any:  # the socket's rcvtimeo bounds it
         if not self._arrays:
             return pickle.loads(self._sock.recv())
         head, *frames = self._sock.recv_multipart(copy=False)
         return pickle.loads(head.buffer, buffers=[frame.buffer for frame in frames])
+
+    async def recv(self) -> Any:
+        return self.recv_sync(SYNC_TIMEOUT)
 
     def close(self) -> None:
         if not self._ctx.closed:
@@ -472,16 +495,30 @@ class ZmqTcpChannel(Channel):
 
 
 class _QueueSender(Sender):
+    """A queue with a blocking API only: streamed from a thread without an event loop."""
+
+    blocking = True
+
     def __init__(self, queue: Any) -> None:
         self._queue = queue
+
+    def send_sync(self, obj: Any, timeout: float) -> None:
+        self._queue.put(obj, True, timeout)
 
     async def send(self, obj: Any) -> None:
         self._queue.put(obj, timeout=SYNC_TIMEOUT)
 
 
 class _QueueReceiver(Receiver):
+    """A queue with a blocking API only: drained in a thread without an event loop."""
+
+    blocking = True
+
     def __init__(self, queue: Any) -> None:
         self._queue = queue
+
+    def recv_sync(self, timeout: float) -> Any:
+        return self._queue.get(True, timeout)
 
     async def recv(self) -> Any:
         return self._queue.get(timeout=SYNC_TIMEOUT)
@@ -509,11 +546,18 @@ class MpQueueChannel(Channel):
 
 
 class _FifoSender(_QueueSender):
+    def send_many_sync(self, objs: list[Any], timeout: float) -> None:
+        self._queue.put_many(objs, timeout=timeout)
+
     async def send_many(self, objs: list[Any]) -> None:
         self._queue.put_many(objs, timeout=SYNC_TIMEOUT)
 
 
 class _FifoReceiver(_QueueReceiver):
+    def recv_many_sync(self, limit: int, timeout: float) -> list[Any]:
+        msgs: list[Any] = self._queue.get_many(max_messages_to_get=limit, timeout=timeout)
+        return msgs
+
     async def recv_many(self, limit: int) -> list[Any]:
         msgs: list[Any] = self._queue.get_many(max_messages_to_get=limit, timeout=SYNC_TIMEOUT)
         return msgs
@@ -840,9 +884,7 @@ def _import_error(module: str) -> str | None:
 
 
 AIOSHMQ = Peer("aioshmq", AioshmqChannel, "async put/get", "put_many/get_many(64)")
-AIOSHMQ_SYNC = Peer(
-    "aioshmq sync", AioshmqSyncChannel, "put_sync/get_sync (no event loop)", "-"
-)
+AIOSHMQ_SYNC = Peer("aioshmq sync", AioshmqSyncChannel, "put_sync/get_sync (no event loop)", "-")
 MP_QUEUE = Peer("mp.Queue", MpQueueChannel, "sync put/get (no async API)", "a list of 64 per put")
 ZMQ = Peer(
     "zmq.asyncio",
