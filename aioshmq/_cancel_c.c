@@ -14,6 +14,7 @@
 #include <Python.h>
 #include <pythread.h>
 #include <structmember.h>
+#include <time.h>
 
 #ifdef Py_T_OBJECT_EX
 #define OBJECT_SLOT Py_T_OBJECT_EX
@@ -364,43 +365,69 @@ static int loop_running(void) {
     return running;
 }
 
+/* put_object raised: raise what the pure method raises (Writer._put_failed says, else the
+ * error itself).  NULL, always. */
+static PyObject *put_failed(PyObject *end, PyObject *obj) {
+    if (!PyErr_ExceptionMatches(PyExc_Exception)) return NULL;
+    PyObject *type, *exc, *tb;
+    PyErr_Fetch(&type, &exc, &tb);
+    PyErr_NormalizeException(&type, &exc, &tb);
+    if (tb != NULL) PyException_SetTraceback(exc, tb);
+    PyObject *r = PyObject_CallMethodObjArgs(end, s_put_failed, obj, exc, NULL);
+    if (r == NULL) { /* what the failure means for the caller, raised from exc */
+        Py_XDECREF(type);
+        Py_XDECREF(exc);
+        Py_XDECREF(tb);
+        return NULL;
+    }
+    Py_DECREF(r);
+    PyErr_Restore(type, exc, tb);
+    return NULL;
+}
+
+/* Whether ``end``'s state lets put take the one-call path: 1 yes, 0 no (no error set). */
+static int put_ready(PyObject *end, PyObject **ring, PyObject **pickler) {
+    PyObject *lock = slot(end, &f_lock), *ser = slot(end, &f_ser);
+    *ring = slot(end, &f_ring);
+    if (lock == NULL || ser == NULL || *ring == NULL || truth(slot(end, &f_halt)) != 0
+        || slot(end, &f_pickles) != Py_True || truth(slot(lock, &f_held)) != 0
+        || (slot(ser, &f_torch) != Py_True && PyDict_Contains(modules, s_torch_module) != 0)
+        || (*pickler = slot(ser, &f_current)) == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    return 1;
+}
+
+/* Whether ``end``'s state lets get take the one-call path: 1 yes, 0 no (no error set). */
+static int get_ready(PyObject *end, PyObject **ring, PyObject **loads) {
+    PyObject *lock = slot(end, &f_lock), *pending = slot(end, &f_pending);
+    *ring = slot(end, &f_ring);
+    *loads = slot(end, &f_loads_plain);
+    Py_ssize_t waiting = pending == NULL ? -1 : PyObject_Length(pending);
+    if (lock == NULL || *ring == NULL || *loads == NULL || waiting != 0
+        || truth(slot(end, &f_closed)) != 0 || slot(end, &f_deferred) != Py_None
+        || truth(slot(lock, &f_held)) != 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    return 1;
+}
+
 static PyObject *sync_put(PyObject *end, PyObject *const *args, Py_ssize_t nargs,
                           PyObject *kwnames) {
     if (!plain_call(nargs, kwnames, 1))
         return call_pure(pure_put, end, args, nargs, kwnames);
-    PyObject *lock = slot(end, &f_lock), *ser = slot(end, &f_ser), *ring = slot(end, &f_ring);
-    if (lock == NULL || ser == NULL || ring == NULL || truth(slot(end, &f_halt)) != 0
-        || slot(end, &f_pickles) != Py_True || truth(slot(lock, &f_held)) != 0
-        || (slot(ser, &f_torch) != Py_True && PyDict_Contains(modules, s_torch_module) != 0)) {
-        PyErr_Clear();
-        return call_pure(pure_put, end, args, nargs, kwnames);
-    }
+    PyObject *ring, *pickler;
+    if (!put_ready(end, &ring, &pickler)) return call_pure(pure_put, end, args, nargs, kwnames);
     int running = loop_running();
     if (running != 0) {
         if (running < 0) return NULL;
         return call_pure(pure_put, end, args, nargs, kwnames);
     }
-    PyObject *pickler = slot(ser, &f_current);
-    if (pickler == NULL) return call_pure(pure_put, end, args, nargs, kwnames);
     PyObject *obj = args[0];
     PyObject *rest = call_core(s_put_object, ring, obj, pickler);
-    if (rest == NULL) {
-        if (!PyErr_ExceptionMatches(PyExc_Exception)) return NULL;
-        PyObject *type, *exc, *tb;
-        PyErr_Fetch(&type, &exc, &tb);
-        PyErr_NormalizeException(&type, &exc, &tb);
-        if (tb != NULL) PyException_SetTraceback(exc, tb);
-        PyObject *r = PyObject_CallMethodObjArgs(end, s_put_failed, obj, exc, NULL);
-        if (r == NULL) { /* what the failure means for the caller, raised from exc */
-            Py_XDECREF(type);
-            Py_XDECREF(exc);
-            Py_XDECREF(tb);
-            return NULL;
-        }
-        Py_DECREF(r);
-        PyErr_Restore(type, exc, tb);
-        return NULL;
-    }
+    if (rest == NULL) return put_failed(end, obj);
     if (rest == Py_None) return rest;
     PyObject *timeout = nargs > 1 || kwnames != NULL ? args[1] : Py_None;
     PyObject *r = PyObject_CallMethodObjArgs(end, s_put_sync_rest, obj, rest, timeout, NULL);
@@ -412,15 +439,8 @@ static PyObject *sync_get(PyObject *end, PyObject *const *args, Py_ssize_t nargs
                           PyObject *kwnames) {
     if (!plain_call(nargs, kwnames, 0))
         return call_pure(pure_get, end, args, nargs, kwnames);
-    PyObject *lock = slot(end, &f_lock), *ring = slot(end, &f_ring);
-    PyObject *pending = slot(end, &f_pending), *loads = slot(end, &f_loads_plain);
-    Py_ssize_t waiting = pending == NULL ? -1 : PyObject_Length(pending);
-    if (lock == NULL || ring == NULL || loads == NULL || waiting != 0
-        || truth(slot(end, &f_closed)) != 0 || slot(end, &f_deferred) != Py_None
-        || truth(slot(lock, &f_held)) != 0) {
-        PyErr_Clear();
-        return call_pure(pure_get, end, args, nargs, kwnames);
-    }
+    PyObject *ring, *loads;
+    if (!get_ready(end, &ring, &loads)) return call_pure(pure_get, end, args, nargs, kwnames);
     int running = loop_running();
     if (running != 0) {
         if (running < 0) return NULL;
@@ -497,6 +517,354 @@ static PyObject *setup_sync(PyObject *module, PyObject *args) {
     return Py_BuildValue("(NN)", put, get);
 }
 
+/* -- put and get ----------------------------------------------------------------------------
+ *
+ * The compiled twins of Writer.put and Reader.get, installed as method descriptors by
+ * setup_async.  A call returns a Call: a coroutine (it has __await__, send, throw and close)
+ * that does nothing until it is first sent to, as the pure coroutine does nothing until its
+ * first step.  Its first step makes the pure method's checks and the ring core's call, in
+ * the task that awaits it; wherever the pure method would do anything else (pace, raise a
+ * pending cancellation, wait for room or for a message, a closed end, the task lock held)
+ * it goes on as the pure coroutine, which has done nothing yet, or as put's continuation
+ * (Writer._put_rest), and hands that coroutine every later send, throw and close.  What
+ * costs the pure method most, making and running a Python frame, is what it spares. */
+
+static PyObject *s_next_yield, *s_put_rest, *s_throw, *s_close;
+static Field f_next_yield = {NULL, 0, &s_next_yield};
+static PyObject *pure_aput, *pure_aget; /* the pure coroutine functions */
+static PyObject *aput_doc, *aget_doc;
+
+/* time.monotonic(), computed as CPython computes it from the same clock. */
+static double monotonic_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    int64_t ns = (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+    if (ns % 1000000000 == 0) return (double)(ns / 1000000000);
+    return (double)ns / 1e9;
+}
+
+/* Whether the pure method's first step would pace (1, or if its state is not as expected)
+ * or not (0), with ``*cancelled`` set to what it would await first for a pending
+ * cancellation (a new reference) or NULL; -1 on error. */
+static int pace_due(PyObject *end, PyObject **cancelled) {
+    *cancelled = NULL;
+    PyObject *next = slot(end, &f_next_yield);
+    if (next == NULL || !PyFloat_CheckExact(next) || monotonic_now() >= PyFloat_AS_DOUBLE(next))
+        return 1;
+    PyObject *c = pending_checkpoint(NULL, NULL);
+    if (c == NULL) return -1;
+    if (c == Py_None)
+        Py_DECREF(c);
+    else
+        *cancelled = c;
+    return 0;
+}
+
+enum { DONE, FAILED, GO_ON, CHECKPOINT };
+
+/* One step of put (``obj`` not NULL) or get, once the checkpoint it awaits first (if any) is
+ * behind it (``checked``): DONE with ``*out`` the value it returns, FAILED with an error set,
+ * GO_ON with ``*out`` the coroutine it goes on as, or CHECKPOINT with ``*out`` the coroutine
+ * of the checkpoint to await before the next step. */
+static int step(PyObject *end, PyObject *obj, int checked, PyObject **out) {
+    PyObject *ring, *x;
+    int ready = obj != NULL ? put_ready(end, &ring, &x) : get_ready(end, &ring, &x);
+    if (ready && !checked) {
+        PyObject *cancelled;
+        int due = pace_due(end, &cancelled);
+        if (due < 0) return FAILED;
+        if (cancelled != NULL) {
+            *out = PyObject_CallNoArgs(cancelled);
+            Py_DECREF(cancelled);
+            return *out == NULL ? FAILED : CHECKPOINT;
+        }
+        ready = !due;
+    }
+    if (ready && obj != NULL) {
+        PyObject *rest = call_core(s_put_object, ring, obj, x);
+        if (rest == NULL) return put_failed(end, obj), FAILED;
+        if (rest == Py_None) return *out = rest, DONE;
+        *out = PyObject_CallMethodObjArgs(end, s_put_rest, obj, rest, NULL);
+        Py_DECREF(rest);
+        return *out == NULL ? FAILED : GO_ON;
+    }
+    if (ready) {
+        PyObject *got = call_core(s_get_plain, ring, x, empty);
+        if (got == NULL) return FAILED; /* what the pure get raises */
+        if (got != empty) return *out = got, DONE;
+        Py_DECREF(got);
+    }
+    if (obj != NULL) {
+        PyObject *call[2] = {end, obj};
+        *out = PyObject_Vectorcall(pure_aput, call, 2, NULL);
+    } else {
+        *out = PyObject_CallOneArg(pure_aget, end);
+    }
+    return *out == NULL ? FAILED : GO_ON;
+}
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *end;   /* the Writer or Reader */
+    PyObject *obj;   /* what put sends; NULL for get */
+    PyObject *inner; /* the coroutine it awaits: a checkpoint, or the one it goes on as */
+    int state;       /* 0: not started, 1: going on as inner, 2: finished, 3: checkpoint */
+} Call;
+
+static PyTypeObject CallType;
+
+static void call_finish(Call *self) {
+    self->state = 2;
+    Py_CLEAR(self->inner);
+    Py_CLEAR(self->obj);
+}
+
+static PySendResult call_send(Call *self, PyObject *arg, PyObject **result);
+
+/* Take the step that comes once the call's checkpoint is behind it (checked) or first. */
+static PySendResult call_step(Call *self, int checked, PyObject **result) {
+    PyObject *out = NULL;
+    int r = step(self->end, self->obj, checked, &out);
+    if (r == DONE || r == FAILED) {
+        call_finish(self);
+        *result = out;
+        return r == DONE ? PYGEN_RETURN : PYGEN_ERROR;
+    }
+    self->inner = out;
+    self->state = r == GO_ON ? 1 : 3;
+    return call_send(self, Py_None, result);
+}
+
+static PySendResult call_send(Call *self, PyObject *arg, PyObject **result) {
+    *result = NULL;
+    if (self->state == 1 || self->state == 3) {
+        PySendResult r = PyIter_Send(self->inner, arg, result);
+        if (r == PYGEN_NEXT) return r;
+        if (self->state == 3 && r == PYGEN_RETURN) { /* the checkpoint passed: go on */
+            Py_CLEAR(*result);
+            Py_CLEAR(self->inner);
+            return call_step(self, 1, result);
+        }
+        call_finish(self);
+        return r;
+    }
+    if (self->state == 2) {
+        PyErr_SetString(PyExc_RuntimeError, "cannot reuse already awaited coroutine");
+        return PYGEN_ERROR;
+    }
+    if (arg != Py_None) {
+        PyErr_SetString(PyExc_TypeError, "can't send non-None value to a just-started coroutine");
+        return PYGEN_ERROR;
+    }
+    return call_step(self, 0, result);
+}
+
+/* The iterator protocol's answer for a send: the value yielded, or NULL with StopIteration
+ * (carrying the value returned) or the error raised. */
+static PyObject *call_result(PySendResult r, PyObject *result) {
+    if (r != PYGEN_RETURN) return result;
+    if (result == Py_None) {
+        Py_DECREF(result);
+        PyErr_SetNone(PyExc_StopIteration);
+        return NULL;
+    }
+    PyObject *stop = PyObject_CallOneArg(PyExc_StopIteration, result);
+    Py_DECREF(result);
+    if (stop != NULL) {
+        PyErr_SetObject(PyExc_StopIteration, stop);
+        Py_DECREF(stop);
+    }
+    return NULL;
+}
+
+static PyObject *call_iternext(Call *self) {
+    PyObject *result;
+    PySendResult r = call_send(self, Py_None, &result);
+    if (r == PYGEN_RETURN && result == Py_None) { /* StopIteration, left implicit */
+        Py_DECREF(result);
+        return NULL;
+    }
+    return call_result(r, result);
+}
+
+static PyObject *call_send_method(Call *self, PyObject *arg) {
+    PyObject *result;
+    PySendResult r = call_send(self, arg, &result);
+    return call_result(r, result);
+}
+
+static PyObject *call_throw(Call *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 3) {
+        PyErr_SetString(PyExc_TypeError, "throw expected 1 to 3 arguments");
+        return NULL;
+    }
+    if (self->state == 1 || self->state == 3) {
+        PyObject *inner = Py_NewRef(self->inner);
+        PyObject *call[4] = {inner, args[0], nargs > 1 ? args[1] : NULL, nargs > 2 ? args[2] : NULL};
+        PyObject *r = PyObject_VectorcallMethod(s_throw, call, 1 + nargs, NULL);
+        Py_DECREF(inner);
+        if (r != NULL) return r;
+        if (self->state == 3 && PyErr_ExceptionMatches(PyExc_StopIteration)) {
+            PyErr_Clear(); /* the checkpoint took the exception and passed: go on */
+            Py_CLEAR(self->inner);
+            PyObject *result;
+            return call_result(call_step(self, 1, &result), result);
+        }
+        call_finish(self);
+        return NULL;
+    }
+    /* Not started, or finished: the exception is raised here, as a coroutine raises it. */
+    call_finish(self);
+    PyObject *typ = args[0], *val = nargs > 1 ? args[1] : Py_None;
+    PyObject *tb = nargs > 2 ? args[2] : Py_None;
+    if (PyExceptionInstance_Check(typ)) {
+        if (val != Py_None) {
+            PyErr_SetString(PyExc_TypeError, "instance exception may not have a separate value");
+            return NULL;
+        }
+        PyErr_SetObject((PyObject *)Py_TYPE(typ), typ);
+    } else if (PyExceptionClass_Check(typ)) {
+        PyErr_SetObject(typ, val);
+    } else {
+        PyErr_Format(PyExc_TypeError,
+                     "exceptions must be classes or instances deriving from BaseException, not %s",
+                     Py_TYPE(typ)->tp_name);
+        return NULL;
+    }
+    if (tb != Py_None) {
+        PyObject *type, *exc, *old;
+        PyErr_Fetch(&type, &exc, &old);
+        PyErr_NormalizeException(&type, &exc, &old);
+        Py_XDECREF(old);
+        PyErr_Restore(type, exc, Py_NewRef(tb));
+    }
+    return NULL;
+}
+
+static PyObject *call_close(Call *self, PyObject *unused) {
+    if (self->state == 1 || self->state == 3) {
+        PyObject *inner = Py_NewRef(self->inner);
+        PyObject *r = PyObject_CallMethodNoArgs(inner, s_close);
+        Py_DECREF(inner);
+        call_finish(self);
+        return r;
+    }
+    call_finish(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *call_await(PyObject *self) { return Py_NewRef(self); }
+
+/* As a coroutine never awaited: a RuntimeWarning when it is collected. */
+static void call_finalize(Call *self) {
+    if (self->state != 0) return;
+    PyObject *type, *exc, *tb;
+    PyErr_Fetch(&type, &exc, &tb);
+    if (PyErr_WarnFormat(PyExc_RuntimeWarning, 1, "coroutine '%s' was never awaited",
+                         self->obj != NULL ? "Writer.put" : "Reader.get") < 0)
+        PyErr_WriteUnraisable((PyObject *)self);
+    PyErr_Restore(type, exc, tb);
+}
+
+static int call_traverse(Call *self, visitproc visit, void *arg) {
+    Py_VISIT(self->end);
+    Py_VISIT(self->obj);
+    Py_VISIT(self->inner);
+    return 0;
+}
+
+static int call_clear(Call *self) {
+    Py_CLEAR(self->end);
+    Py_CLEAR(self->obj);
+    Py_CLEAR(self->inner);
+    return 0;
+}
+
+static void call_dealloc(Call *self) {
+    if (PyObject_CallFinalizerFromDealloc((PyObject *)self) < 0) return; /* resurrected */
+    PyObject_GC_UnTrack(self);
+    call_clear(self);
+    PyObject_GC_Del(self);
+}
+
+static PyMethodDef call_methods[] = {
+    {"send", (PyCFunction)call_send_method, METH_O, "Send a value into the coroutine."},
+    {"throw", (PyCFunction)(void (*)(void))call_throw, METH_FASTCALL,
+     "Raise an exception in the coroutine."},
+    {"close", (PyCFunction)call_close, METH_NOARGS, "Close the coroutine."},
+    {NULL}};
+
+static PyAsyncMethods call_async = {
+    .am_await = call_await,
+    .am_send = (sendfunc)call_send,
+};
+
+static PyTypeObject CallType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "aioshmq._cancel_c.Call",
+    .tp_doc = "A compiled put or get, awaited as a coroutine.",
+    .tp_basicsize = sizeof(Call),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_dealloc = (destructor)call_dealloc,
+    .tp_finalize = (destructor)call_finalize,
+    .tp_traverse = (traverseproc)call_traverse,
+    .tp_clear = (inquiry)call_clear,
+    .tp_as_async = &call_async,
+    .tp_iter = PyObject_SelfIter,
+    .tp_iternext = (iternextfunc)call_iternext,
+    .tp_methods = call_methods,
+};
+
+static PyObject *new_call(PyObject *end, PyObject *obj) {
+    Call *self = PyObject_GC_New(Call, &CallType);
+    if (self == NULL) return NULL;
+    self->end = Py_NewRef(end);
+    self->obj = Py_XNewRef(obj);
+    self->inner = NULL;
+    self->state = 0;
+    PyObject_GC_Track(self);
+    return (PyObject *)self;
+}
+
+static PyObject *async_put(PyObject *end, PyObject *const *args, Py_ssize_t nargs,
+                           PyObject *kwnames) {
+    if (nargs != 1 || kwnames != NULL) return call_pure(pure_aput, end, args, nargs, kwnames);
+    return new_call(end, args[0]);
+}
+
+static PyObject *async_get(PyObject *end, PyObject *const *args, Py_ssize_t nargs,
+                           PyObject *kwnames) {
+    if (nargs != 0 || kwnames != NULL) return call_pure(pure_aget, end, args, nargs, kwnames);
+    return new_call(end, NULL);
+}
+
+static PyMethodDef aput_def = {"put", (PyCFunction)(void (*)(void))async_put,
+                               METH_FASTCALL | METH_KEYWORDS, NULL};
+static PyMethodDef aget_def = {"get", (PyCFunction)(void (*)(void))async_get,
+                               METH_FASTCALL | METH_KEYWORDS, NULL};
+
+static PyObject *setup_async(PyObject *module, PyObject *args) {
+    PyObject *end_t, *a_put, *a_get;
+    if (!PyArg_ParseTuple(args, "OOO:setup_async", &end_t, &a_put, &a_get)) return NULL;
+    if (pure_put == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "setup_sync() must come first");
+        return NULL;
+    }
+    if (find_own_slot(end_t, &f_next_yield) < 0) return NULL;
+    if (make_doc(&aput_def, &aput_doc, "put($self, /, obj)", a_put) < 0
+        || make_doc(&aget_def, &aget_doc, "get($self, /)", a_get) < 0)
+        return NULL;
+    Py_XSETREF(pure_aput, Py_NewRef(a_put));
+    Py_XSETREF(pure_aget, Py_NewRef(a_get));
+    PyObject *writer_t = (PyObject *)f_halt.type, *reader_t = (PyObject *)f_pending.type;
+    PyObject *put = PyDescr_NewMethod((PyTypeObject *)writer_t, &aput_def);
+    PyObject *get = put == NULL ? NULL : PyDescr_NewMethod((PyTypeObject *)reader_t, &aget_def);
+    if (get == NULL) {
+        Py_XDECREF(put);
+        return NULL;
+    }
+    return Py_BuildValue("(NN)", put, get);
+}
+
 static PyObject *direct_fields(PyObject *module, PyObject *unused) {
     const Field *fields[] = {&f_cancel_scope, &f_cancel_called, &f_shield, &f_parent_scope};
     PyObject *names = PyList_New(0);
@@ -514,6 +882,9 @@ static PyMethodDef methods[] = {
     {"setup_sync", setup_sync, METH_VARARGS,
      "setup_sync(End, Writer, Reader, TaskLock, PickleSerializer, put_sync, get_sync, empty): "
      "the compiled put_sync and get_sync, as method descriptors of Writer and Reader."},
+    {"setup_async", setup_async, METH_VARARGS,
+     "setup_async(End, put, get): the compiled put and get, as method descriptors of the "
+     "Writer and Reader given to setup_sync."},
     {"direct_fields", direct_fields, METH_NOARGS,
      "The names of the attributes read from their slots, not by name."},
     {"pending_checkpoint", pending_checkpoint, METH_NOARGS,
@@ -553,10 +924,13 @@ PyMODINIT_FUNC PyInit__cancel_c(void) {
                  {&s_torch_module, "torch"},   {&s_timeout, "timeout"},
                  {&s_put_object, "put_object"}, {&s_get_plain, "get_plain"},
                  {&s_put_failed, "_put_failed"}, {&s_put_sync_rest, "_put_sync_rest"},
-                 {&s_closed_error, "_closed_error"}};
+                 {&s_closed_error, "_closed_error"}, {&s_next_yield, "_next_yield"},
+                 {&s_put_rest, "_put_rest"},   {&s_throw, "throw"},
+                 {&s_close, "close"}};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         *names[i].s = PyUnicode_InternFromString(names[i].text);
         if (*names[i].s == NULL) return NULL;
     }
+    if (PyType_Ready(&CallType) < 0) return NULL;
     return PyModule_Create(&module_def);
 }

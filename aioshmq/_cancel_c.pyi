@@ -33,3 +33,9 @@ def setup_sync(
     empty: object,
     /,
 ) -> tuple[Any, Any]: ...
+def setup_async(
+    end: type,
+    put: Callable[..., Any],
+    get: Callable[..., Any],
+    /,
+) -> tuple[Any, Any]: ...

@@ -81,9 +81,9 @@ class End:
     them has left, so no call ever waits on, or reads from, something closed or reused.
     """
 
-    # What the compiled put_sync and get_sync read on every call (_cancel_c), kept in slots
-    # so that C reads them at fixed offsets; everything else lives in the instance dict.
-    __slots__ = ("__dict__", "__weakref__", "_closed", "_lock", "_ring")
+    # What the compiled put, get, put_sync and get_sync read on every call (_cancel_c), kept
+    # in slots so that C reads them at fixed offsets; everything else lives in the instance dict.
+    __slots__ = ("__dict__", "__weakref__", "_closed", "_lock", "_next_yield", "_ring")
 
     _role = "end"
     _wake: Notifier  #: the notifier whose signals end this end's sleeps

@@ -252,12 +252,13 @@ async def aconnect(
 
 # The pure put_sync and get_sync, whichever the classes carry (tests compare the two).
 PURE_SYNC: tuple[Callable[..., None], Callable[..., Any]] = (Writer.put_sync, Reader.get_sync)
+PURE_ASYNC: tuple[Callable[..., Any], Callable[..., Any]] = (Writer.put, Reader.get)
 
 
 def _compiled_sync() -> None:
-    """Under the compiled core, ``put_sync`` and ``get_sync`` are their C twins
-    (``aioshmq._cancel_c``): each makes the pure method's checks and the ring core's call,
-    and hands everything else to the pure method, which stays the reference."""
+    """Under the compiled core, ``put``, ``get``, ``put_sync`` and ``get_sync`` are their C
+    twins (``aioshmq._cancel_c``): each makes the pure method's checks and the ring core's
+    call, and hands everything else to the pure method, which stays the reference."""
     if not _switch.COMPILED:
         return
     try:
@@ -276,6 +277,9 @@ def _compiled_sync() -> None:
     )
     Writer.put_sync = put  # type: ignore[method-assign]
     Reader.get_sync = get  # type: ignore[method-assign]
+    put, get = _cancel_c.setup_async(End, Writer.put, Reader.get)
+    Writer.put = put  # type: ignore[method-assign]
+    Reader.get = get  # type: ignore[method-assign]
 
 
 _compiled_sync()

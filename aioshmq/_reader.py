@@ -139,7 +139,7 @@ class Lease(Generic[T]):
 class Reader(End, ObjectReceiveStream[T], Generic[T]):
     """One reader of a ring: receives every message the writer puts, in order."""
 
-    __slots__ = ("_deferred", "_loads_plain", "_pending")  # read by the compiled get_sync
+    __slots__ = ("_deferred", "_loads_plain", "_pending")  # read by the compiled get, get_sync
 
     _role = "reader"
 

@@ -147,7 +147,7 @@ def _linger(value: object) -> float:
 class Writer(End, ObjectSendStream[T], Generic[T]):
     """The writing end of a ring: every attached reader receives every message, in order."""
 
-    __slots__ = ("_halt", "_pickles", "_ser")  # read by the compiled put_sync (see End)
+    __slots__ = ("_halt", "_pickles", "_ser")  # read by the compiled put and put_sync (see End)
 
     _role = "writer"
 
@@ -464,19 +464,26 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
             self._check()
         elif (cancelled := pending_checkpoint()) is not None:
             await cancelled()
-        ring = self._ring
         pickler = self._ser.pickler if self._pickles else None
-        if pickler is not None and not self._lock.held:
-            try:
-                rest = ring.put_object(obj, pickler)
-            except Exception as exc:
-                self._put_failed(obj, exc)
-                raise
-            if rest is None:
-                return
-            main, buffers = self._ser.finish(obj, rest)
-        else:
-            main, buffers = self._ser.dumps(obj)
+        if pickler is None or self._lock.held:
+            await self._put_frame(*self._ser.dumps(obj))
+            return
+        try:
+            rest = self._ring.put_object(obj, pickler)
+        except Exception as exc:
+            self._put_failed(obj, exc)
+            raise
+        if rest is not None:
+            await self._put_rest(obj, rest)
+
+    async def _put_rest(self, obj: T, rest: Any) -> None:
+        """The rest of ``put`` once the core's ``put_object`` wrote nothing and left ``rest``
+        (the compiled ``put`` goes on here too)."""
+        await self._put_frame(*self._ser.finish(obj, rest))
+
+    async def _put_frame(self, main: Buffer, buffers: list[memoryview]) -> None:
+        """The rest of ``put`` once ``obj`` is serialized."""
+        ring = self._ring
         if not buffers:
             if not self._lock.locked() and ring.put_plain(main):
                 return

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# The API as the pure classes define it: the compiled core's twins of some methods are C
+# method descriptors, which autodoc cannot show as coroutines or with their annotations.
+os.environ["AIOSHMQ_PURE"] = "1"
 
 import aioshmq
 

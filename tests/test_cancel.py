@@ -3,6 +3,7 @@ memory streams and trio's channels do, whether or not it would have had to wait.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -362,3 +363,139 @@ def test_the_compiled_sync_calls_answer_as_the_pure_ones() -> None:
     assert both(puts, 5)[0] == both(puts, 5)[1]
     assert both(gets)[0] == both(gets)[1]
     assert both(gets)[0][:2] == ("raised", anyio.ClosedResourceError)
+
+
+async def _awaited(call: Callable[[], Awaitable[Any]]) -> object:
+    """What awaiting ``call()`` gives: what it returned or raised, or ``("waited",)`` if it
+    was still waiting once every task was blocked (it is then cancelled)."""
+    outcome: list[object] = []
+
+    async def run() -> None:
+        try:
+            outcome.append(("returned", await call()))
+        except anyio.get_cancelled_exc_class():
+            outcome.append(("waited",))
+            raise
+        except Exception as exc:  # every outcome is compared
+            outcome.append(("raised", type(exc), str(exc)))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        await anyio.wait_all_tasks_blocked()
+        tg.cancel_scope.cancel()
+    return outcome[0]
+
+
+async def test_the_compiled_put_and_get_answer_as_the_pure_ones() -> None:
+    """``put`` and ``get`` (C twins under the compiled core, aioshmq._cancel_c) give what the
+    pure coroutines give in every state they check: calls they do not take, room or none, a
+    message or none, what pickle refuses, an array, the rest of a batch, a pending
+    cancellation, pacing due, the task lock held, a closed end.  The two are awaited turn
+    about on one ring."""
+    import numpy as np
+
+    from aioshmq import Reader, Writer
+    from aioshmq._open import PURE_ASYNC
+
+    pure_put, pure_get = PURE_ASYNC
+    if aioshmq.CORE == "compiled":
+        assert type(Writer.put).__name__ == "method_descriptor"
+        assert Writer.put.__doc__ == pure_put.__doc__
+        assert type(Reader.get).__name__ == "method_descriptor"
+    w = aioshmq.create(capacity=1 << 16, max_messages=2)
+    r = aioshmq.connect(w.name)
+    puts: list[Callable[..., Any]] = [w.put, lambda *a, **k: pure_put(w, *a, **k)]
+    gets: list[Callable[..., Any]] = [r.get, lambda *a, **k: pure_get(r, *a, **k)]
+
+    async def both(calls: list[Callable[..., Any]], *args: Any, **kwargs: Any) -> list[object]:
+        return [await _awaited(functools.partial(call, *args, **kwargs)) for call in calls]
+
+    try:
+        for calls, bad in ((puts, ()), (puts, (1, 2)), (gets, (1,))):
+            a, b = await both(calls, *bad)
+            assert a == b and a[:2] == ("raised", TypeError)  # type: ignore[index]
+            a, b = await both(calls, *bad[:1], bogus=1)
+            assert a == b and a[:2] == ("raised", TypeError)  # type: ignore[index]
+        assert await both(gets) == [("waited",)] * 2
+        assert await both(puts, ("t", 1)) == [("returned", None)] * 2
+        assert await both(puts, ("t", 2)) == [("waited",)] * 2  # two messages at most
+        assert await both(gets) == [("returned", ("t", 1))] * 2
+        a, b = await both(puts, lambda: 0)
+        assert a == b and a[0] == "raised"  # type: ignore[index]
+        for put in puts:
+            await put(np.arange(5))
+        assert [(await get()).tolist() for get in gets] == [[0, 1, 2, 3, 4]] * 2
+        await w.put_many([1, 2])
+        assert [await gets[0](), await gets[1]()] == [1, 2]  # the second from the batch's rest
+        await w.put_many([3, 4])
+        assert [await gets[1](), await gets[0]()] == [3, 4]
+        sent = w.statistics().messages_put
+        for put, get in zip(puts, gets, strict=True):
+            with anyio.CancelScope() as scope:
+                scope.cancel()
+                await put("cancelled")
+            assert scope.cancelled_caught
+            await w.put(("kept", 0))
+            with anyio.CancelScope() as scope:
+                scope.cancel()
+                await get()
+            assert scope.cancelled_caught
+            assert await r.get() == ("kept", 0)
+        assert w.statistics().messages_put == sent + 2
+        # Pacing due: both let the loop run first, then go on.
+        for put, get in zip(puts, gets, strict=True):
+            w._next_yield = 0.0
+            await put(("paced", 1))
+            assert w._next_yield > 0.0
+            r._next_yield = 0.0
+            assert await get() == ("paced", 1)
+            assert r._next_yield > 0.0
+        w._lock.held = r._lock.held = True
+        try:
+            assert await both(puts, 5) == [("waited",)] * 2
+            assert await both(gets) == [("waited",)] * 2
+        finally:
+            w._lock.held = r._lock.held = False
+        w.close()
+        a, b = await both(puts, 6)
+        assert a == b and a[:2] == ("raised", anyio.ClosedResourceError)  # type: ignore[index]
+        assert await both(gets) == [("raised", anyio.EndOfStream, "")] * 2
+        r.close()
+        a, b = await both(gets)
+        assert a == b and a[:2] == ("raised", anyio.ClosedResourceError)  # type: ignore[index]
+    finally:
+        r.close()
+        w.close()
+
+
+async def test_put_and_get_are_coroutines() -> None:
+    """``put()`` and ``get()`` (compiled or pure) are coroutines: a task group or the loop
+    runs them as tasks, they do nothing until awaited (and warn if never awaited), and one
+    cannot be awaited twice."""
+    import gc
+    import sys
+
+    with aioshmq.create(capacity=1 << 16) as w, aioshmq.connect(w.name) as r:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(w.put, "started soon")
+        assert await r.get() == "started soon"
+        if "asyncio" in sys.modules and sys.modules["sniffio"].current_async_library() == "asyncio":
+            import asyncio
+
+            await asyncio.get_running_loop().create_task(w.put("a task"))
+            assert await asyncio.ensure_future(r.get()) == "a task"
+        with pytest.warns(RuntimeWarning, match="was never awaited"):
+            never = w.put("never")
+            del never
+            gc.collect()
+        with pytest.raises(aioshmq.Empty):
+            r.get_nowait()
+        once = w.put("once")
+        await once
+        with pytest.raises(RuntimeError, match="cannot reuse already awaited coroutine"):
+            await once
+        unstarted = r.get()
+        with pytest.raises(KeyError, match="thrown"):
+            unstarted.throw(KeyError("thrown"))
+        unstarted.close()
+        assert await r.get() == "once"
