@@ -1,6 +1,6 @@
 /* The ends' checks in C: the compiled twin of aioshmq/_cancel.py's common case, of
  * aioshmq/_end.py's in_event_loop (the check that refuses a blocking call in a loop), and
- * of the checks put_sync and get_sync make before they call the ring core.
+ * of put, get, put_sync and get_sync up to their call of the ring core.
  *
  * pending_checkpoint() answers what aioshmq._cancel's pure function answers, reading the
  * same state: the thread's last loop (_cancel._seen), asyncio's current tasks, and the
@@ -898,7 +898,8 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT, "aioshmq._cancel_c",
     "The ends' checks in C: twins of aioshmq._cancel's common case, of "
-    "aioshmq._end.in_event_loop, and of the checks of put_sync and get_sync.",
+    "aioshmq._end.in_event_loop, and of put, get, put_sync and get_sync up to the ring core's "
+    "call.",
     -1, methods,
 };
 

@@ -466,41 +466,45 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
             await cancelled()
         pickler = self._ser.pickler if self._pickles else None
         if pickler is None or self._lock.held:
-            await self._put_frame(*self._ser.dumps(obj))
-            return
-        try:
-            rest = self._ring.put_object(obj, pickler)
-        except Exception as exc:
-            self._put_failed(obj, exc)
-            raise
-        if rest is not None:
-            await self._put_rest(obj, rest)
+            frame = self._put_now(*self._ser.dumps(obj))
+        else:
+            try:
+                rest = self._ring.put_object(obj, pickler)
+            except Exception as exc:
+                self._put_failed(obj, exc)
+                raise
+            if rest is None:
+                return
+            frame = self._put_now(*self._ser.finish(obj, rest))
+        if frame is not None:
+            await self._run([frame])
 
     async def _put_rest(self, obj: T, rest: Any) -> None:
         """The rest of ``put`` once the core's ``put_object`` wrote nothing and left ``rest``
-        (the compiled ``put`` goes on here too)."""
-        await self._put_frame(*self._ser.finish(obj, rest))
+        (the compiled ``put`` goes on here)."""
+        frame = self._put_now(*self._ser.finish(obj, rest))
+        if frame is not None:
+            await self._run([frame])
 
-    async def _put_frame(self, main: Buffer, buffers: list[memoryview]) -> None:
-        """The rest of ``put`` once ``obj`` is serialized."""
+    def _put_now(self, main: Buffer, buffers: list[memoryview]) -> Frame | None:
+        """Write and publish a serialized message if nothing waits and there is room now:
+        None, else the frame that ``_run`` has to wait with."""
         ring = self._ring
         if not buffers:
             if not self._lock.locked() and ring.put_plain(main):
-                return
-            await self._run([Frame(main, buffers)])
-            return
+                return None
+            return Frame(main, buffers)
         if len(buffers) == 1:  # one array: written and published in one call
             if not self._lock.locked() and ring.put_buffer(main, buffers[0]):
-                return
-            await self._run([Frame(main, buffers)])
-            return
+                return None
+            return Frame(main, buffers)
         frame = Frame(main, buffers)
         if not self._lock.locked() and ring.fits_whole(frame) and ring.try_write(frame):
             ring.publish()
             self._messages += 1
             self._bytes += frame.length
-            return
-        await self._run([frame])
+            return None
+        return frame
 
     def _put_failed(self, obj: T, exc: Exception) -> None:
         """Raise what a failed ``put_object`` means for the caller, if not ``exc`` itself."""
