@@ -418,13 +418,13 @@ static PyObject *sync_put(PyObject *end, PyObject *const *args, Py_ssize_t nargs
                           PyObject *kwnames) {
     if (!plain_call(nargs, kwnames, 1))
         return call_pure(pure_put, end, args, nargs, kwnames);
-    PyObject *ring, *pickler;
-    if (!put_ready(end, &ring, &pickler)) return call_pure(pure_put, end, args, nargs, kwnames);
-    int running = loop_running();
+    int running = loop_running(); /* first: it may run Python code */
     if (running != 0) {
         if (running < 0) return NULL;
         return call_pure(pure_put, end, args, nargs, kwnames);
     }
+    PyObject *ring, *pickler;
+    if (!put_ready(end, &ring, &pickler)) return call_pure(pure_put, end, args, nargs, kwnames);
     PyObject *obj = args[0];
     PyObject *rest = call_core(s_put_object, ring, obj, pickler);
     if (rest == NULL) return put_failed(end, obj);
@@ -439,13 +439,13 @@ static PyObject *sync_get(PyObject *end, PyObject *const *args, Py_ssize_t nargs
                           PyObject *kwnames) {
     if (!plain_call(nargs, kwnames, 0))
         return call_pure(pure_get, end, args, nargs, kwnames);
-    PyObject *ring, *loads;
-    if (!get_ready(end, &ring, &loads)) return call_pure(pure_get, end, args, nargs, kwnames);
-    int running = loop_running();
+    int running = loop_running(); /* first: it may run Python code */
     if (running != 0) {
         if (running < 0) return NULL;
         return call_pure(pure_get, end, args, nargs, kwnames);
     }
+    PyObject *ring, *loads;
+    if (!get_ready(end, &ring, &loads)) return call_pure(pure_get, end, args, nargs, kwnames);
     PyObject *obj = call_core(s_get_plain, ring, loads, empty);
     if (obj == NULL) {
         if (!PyErr_ExceptionMatches(PyExc_ValueError) || truth(slot(end, &f_closed)) != 1)
@@ -578,7 +578,9 @@ static int step(PyObject *end, PyObject *obj, int checked, PyObject **out) {
             Py_DECREF(cancelled);
             return *out == NULL ? FAILED : CHECKPOINT;
         }
-        ready = !due;
+        /* Read again: the check may have run Python code, after which a borrowed slot value
+         * is not to be trusted. */
+        ready = !due && (obj != NULL ? put_ready(end, &ring, &x) : get_ready(end, &ring, &x));
     }
     if (ready && obj != NULL) {
         PyObject *rest = call_core(s_put_object, ring, obj, x);
