@@ -401,6 +401,31 @@ def test_bench_only_rejects_an_unknown_scenario() -> None:
     assert "invalid choice" in proc.stderr
 
 
+@pytest.mark.parametrize("kind", ["small", "tuple"])
+def test_a_batch_is_the_messages_one_by_one_and_its_check_finds_one_out_of_order(
+    kind: str,
+) -> None:
+    workload = Workload(kind)  # type: ignore[arg-type]
+    batch = workload.make_batch(5, 4)
+    assert batch == [workload.make(seq) for seq in range(5, 9)]
+    assert len({id(msg) for msg in batch}) == 4  # each made afresh
+    workload.check_batch(batch, 5)
+    batch[2], batch[3] = batch[3], batch[2]
+    with pytest.raises(AssertionError, match="message 7 arrived as 8"):
+        workload.check_batch(batch, 5)
+    with pytest.raises(AssertionError, match="message 4 arrived as 5"):
+        workload.check(workload.make(5), 4)
+
+
+def test_a_payload_check_finds_a_damaged_array() -> None:
+    workload = Workload("array", 1000)
+    array = workload.make(0)
+    assert workload.make_batch(0, 2) == [array, array]  # one payload, sent again and again
+    workload.check_batch([array, array], 0)
+    with pytest.raises(AssertionError, match="array 1 arrived damaged"):
+        workload.check_batch([array, array[:-1]], 0)
+
+
 class _LeasingReader:
     """Stands in for a future ``aioshmq.Reader`` with a zero-copy ``lease()``."""
 

@@ -4,10 +4,11 @@
 
 Runs, in this one process and with nothing between the two sides, the work each side of the
 bench's small rows does for every message whatever the transport: the writer makes the
-message (``Workload.make``), pickles it (protocol 5) and lets it go; the reader unpickles
-it, checks it (``Workload.check``) and lets it go.  For the bench's dict and its tuple, one
-per message and in batches of 64 (a list pickled whole, as every peer's batch is), it prints
-each side's microseconds per message and the messages a second that side alone allows.
+message (``Workload.maker``, or ``make_batch``), pickles it (protocol 5) and lets it go;
+the reader unpickles it, checks it (``Workload.checker``, or ``check_batch``) and lets it
+go.  For the bench's dict and its tuple, one per message and in batches of 64 (a list
+pickled whole, as every peer's batch is), it prints each side's microseconds per message
+and the messages a second that side alone allows.
 
 A transport that pickles cannot stream faster than the slower side here: with one process
 per side on two CPUs, that side's figure is the ceiling of the row on this machine
@@ -25,7 +26,7 @@ from aioshmq._bench._workload import Workload
 
 def _writer(workload: Workload, batch: int, batches: int) -> float:
     """Seconds per message to make and pickle ``batches`` batches (one message: batch 1)."""
-    make, dumps = workload.make, pickle.dumps
+    make, make_batch, dumps = workload.maker(), workload.make_batch, pickle.dumps
     n = 0
     start = time.perf_counter()
     if batch == 1:
@@ -33,21 +34,20 @@ def _writer(workload: Workload, batch: int, batches: int) -> float:
             dumps(make(n), protocol=5)
     else:
         for _ in range(batches):
-            dumps([make(n + i) for i in range(batch)], protocol=5)
+            dumps(make_batch(n, batch), protocol=5)
             n += batch
     return (time.perf_counter() - start) / (batches * batch)
 
 
 def _reader(workload: Workload, batch: int, batches: int) -> float:
     """Seconds per message to unpickle and check what ``_writer`` sent, in order."""
-    check, loads = workload.check, pickle.loads
+    check, check_batch, loads = workload.checker(), workload.check_batch, pickle.loads
     made = 256  # pickled beforehand and read again and again: the check follows their numbers
     if batch == 1:
         data = [pickle.dumps(workload.make(i), protocol=5) for i in range(made)]
     else:
         data = [
-            pickle.dumps([workload.make(k * batch + i) for i in range(batch)], protocol=5)
-            for k in range(made)
+            pickle.dumps(workload.make_batch(k * batch, batch), protocol=5) for k in range(made)
         ]
     start = time.perf_counter()
     if batch == 1:
@@ -55,10 +55,7 @@ def _reader(workload: Workload, batch: int, batches: int) -> float:
             check(loads(data[n % made]), n % made)
     else:
         for k in range(batches):
-            seq = (k % made) * batch
-            for msg in loads(data[k % made]):
-                check(msg, seq)
-                seq += 1
+            check_batch(loads(data[k % made]), (k % made) * batch)
     return (time.perf_counter() - start) / (batches * batch)
 
 

@@ -7,6 +7,7 @@ import importlib
 import mmap
 import os
 import time
+from collections.abc import Sequence
 from functools import partial
 from typing import Any, TypedDict
 
@@ -76,8 +77,7 @@ async def pump(
         return await anyio.to_thread.run_sync(
             partial(_pump_sync, tx, workload, seconds, min_messages, batch, warmup)
         )
-    make = workload.make
-    make(0)  # allocate what the messages need before anything is timed
+    make, make_batch = workload.maker(), workload.make_batch
     total = warmup + max(min_messages, 1)
     deadline = float("inf")
     n = 0
@@ -85,7 +85,7 @@ async def pump(
         while n < total or time.monotonic() < deadline:
             if n >= warmup and deadline == float("inf"):
                 deadline = time.monotonic() + seconds
-            await tx.send_many([make(n + i) for i in range(batch)])
+            await tx.send_many(make_batch(n, batch))
             n += batch
     else:
         while n < total or time.monotonic() < deadline:
@@ -107,8 +107,7 @@ def _pump_sync(
 ) -> int:
     """``pump`` in a thread without an event loop, each call given its timeout as its own
     argument (no wrapper of the bench's around a call that takes one)."""
-    make = workload.make
-    make(0)
+    make, make_batch = workload.maker(), workload.make_batch
     total = warmup + max(min_messages, 1)
     deadline = float("inf")
     n = 0
@@ -117,7 +116,7 @@ def _pump_sync(
         while n < total or time.monotonic() < deadline:
             if n >= warmup and deadline == float("inf"):
                 deadline = time.monotonic() + seconds
-            send_many([make(n + i) for i in range(batch)], SYNC_TIMEOUT)
+            send_many(make_batch(n, batch), SYNC_TIMEOUT)
             n += batch
     else:
         send = tx.send_sync
@@ -134,19 +133,17 @@ def _drain_sync(
     rx: Receiver, workload: Workload, batch: int | None, warmup: int
 ) -> tuple[int, float]:
     """``drain`` in a thread without an event loop."""
-    check = workload.check
+    check = workload.checker()
     n = 0
     t_first = 0.0
     if batch:
         recv_many = rx.recv_many_sync
         while True:
-            for msg in recv_many(batch, SYNC_TIMEOUT):
-                if msg is STOP:
-                    return n, t_first
-                if n == warmup:
-                    t_first = time.monotonic()
-                check(msg, n)
-                n += 1
+            n, t_first, more = _take_batch(
+                workload, recv_many(batch, SYNC_TIMEOUT), n, warmup, t_first
+            )
+            if not more:
+                return n, t_first
     recv = rx.recv_sync
     while (msg := recv(SYNC_TIMEOUT)) is not STOP:
         if n == warmup:
@@ -156,6 +153,20 @@ def _drain_sync(
     return n, t_first
 
 
+def _take_batch(
+    workload: Workload, msgs: Sequence[Any], n: int, warmup: int, t_first: float
+) -> tuple[int, float, bool]:
+    """Check a batch of messages numbered from ``n``: how many have arrived in all, when message
+    ``warmup`` did, and whether more are to come (no STOP yet, which only ends a batch)."""
+    more = not msgs or msgs[-1] is not STOP
+    if not more:
+        msgs = msgs[:-1]
+    if n <= warmup < n + len(msgs):
+        t_first = time.monotonic()
+    workload.check_batch(msgs, n)
+    return n + len(msgs), t_first, more
+
+
 async def drain(
     rx: Receiver, workload: Workload, batch: int | None, warmup: int
 ) -> tuple[int, float]:
@@ -163,18 +174,14 @@ async def drain(
     (the first one counted) arrived."""
     if rx.blocking:
         return await anyio.to_thread.run_sync(partial(_drain_sync, rx, workload, batch, warmup))
-    check = workload.check
+    check = workload.checker()
     n = 0
     t_first = 0.0
     if batch:
         while True:
-            for msg in await rx.recv_many(batch):
-                if msg is STOP:
-                    return n, t_first
-                if n == warmup:
-                    t_first = time.monotonic()
-                check(msg, n)
-                n += 1
+            n, t_first, more = _take_batch(workload, await rx.recv_many(batch), n, warmup, t_first)
+            if not more:
+                return n, t_first
 
     if rx.read == "get":  # as _drain_sync does: the check inline, no callback
         while (msg := await rx.recv()) is not STOP:
@@ -219,10 +226,11 @@ async def ping(
     samples: list[float] = []
     deadline = float("inf")
     clock = time.perf_counter_ns
+    make = workload.maker()
     for i in range(first, first + warmup + rounds):
         if i == first + warmup:
             deadline = time.monotonic() + seconds
-        msg = workload.make(i)
+        msg = make(i)
         start = clock()
         await tx.send(msg)
         reply = await rx.recv()

@@ -3,7 +3,9 @@ mode's budget."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal
 
 _PAD = b"aioshmq-bench-pad!"  # brings the object's protocol-5 pickle to 100 bytes
@@ -11,9 +13,17 @@ _arrays: dict[int, Any] = {}
 _tensors: dict[int, Any] = {}
 
 
+_FIELDS = {"topic": "ticks/eu", "price": 101.25, "size": 300, "pad": _PAD}
+
+
 def small_object(seq: int) -> dict[str, Any]:
     """A typical small message: a dict whose pickle is 100 bytes."""
-    return {"seq": seq, "topic": "ticks/eu", "price": 101.25, "size": 300, "pad": _PAD}
+    return {"seq": seq, **_FIELDS}
+
+
+def small_objects(first: int, count: int) -> list[dict[str, Any]]:
+    """``count`` small objects numbered from ``first``, each made afresh."""
+    return [{"seq": seq, **_FIELDS} for seq in range(first, first + count)]
 
 
 # Brings the tuple's protocol-5 pickle to 100 bytes.
@@ -23,6 +33,12 @@ _TUPLE_PAD = b"aioshmq-bench-tuple-padding-0123456789abcdefghijklmnop"
 def small_tuple(seq: int) -> tuple[Any, ...]:
     """The plainest small message: a tuple whose pickle is 100 bytes."""
     return (seq, "ticks/eu", 101.25, 300, _TUPLE_PAD)
+
+
+def small_tuples(first: int, count: int) -> list[tuple[Any, ...]]:
+    """``count`` small tuples numbered from ``first``, each made afresh (the literal is
+    ``small_tuple``'s, inline: a call per tuple would cost as much as the tuple)."""
+    return [(seq, "ticks/eu", 101.25, 300, _TUPLE_PAD) for seq in range(first, first + count)]
 
 
 def pattern_array(nbytes: int) -> Any:
@@ -66,26 +82,69 @@ class Workload:
         return self.kind in ("array", "tensor")
 
     def make(self, seq: int) -> Any:
+        """Message ``seq``."""
+        return self.maker()(seq)
+
+    def maker(self) -> Callable[[int], Any]:
+        """What makes message ``seq``, with no dispatch on the kind left in it: the loops call
+        it once a message, so that the harness costs what making the object costs."""
+        if self.kind == "small":
+            return small_object
         if self.kind == "tuple":
-            return small_tuple(seq)
-        if self.kind == "tensor":
-            return pattern_tensor(self.nbytes)
-        return small_object(seq) if self.kind == "small" else pattern_array(self.nbytes)
+            return small_tuple
+        payload = (
+            pattern_tensor(self.nbytes) if self.kind == "tensor" else pattern_array(self.nbytes)
+        )
+        return lambda seq: payload
+
+    def make_batch(self, first: int, count: int) -> list[Any]:
+        """Messages ``first`` to ``first + count - 1``, each made afresh."""
+        if self.kind == "small":
+            return small_objects(first, count)
+        if self.kind == "tuple":
+            return small_tuples(first, count)
+        make = self.maker()
+        return [make(seq) for seq in range(first, first + count)]
 
     def check(self, msg: Any, seq: int) -> None:
-        if self.kind == "tuple":
-            if msg[0] != seq:
-                raise AssertionError(f"message {seq} arrived as {msg[0]}: order broken")
-            return
+        """Raise ``AssertionError`` unless ``msg`` is message ``seq``, intact."""
+        self.checker()(msg, seq)
+
+    def checker(self) -> Callable[[Any, int], None]:
+        """``check`` with no dispatch on the kind left in it."""
         if self.kind == "small":
-            if msg["seq"] != seq:
-                raise AssertionError(f"message {seq} arrived as {msg['seq']}: order broken")
-            return
-        if self.kind == "tensor" and type(msg).__name__ != "Tensor":
-            raise AssertionError(f"tensor {seq} arrived as {type(msg).__qualname__}")
-        last = self.nbytes - 1
-        if len(msg) != self.nbytes or int(msg[last]) != last % 251:
-            raise AssertionError(f"array {seq} arrived damaged ({len(msg)} bytes)")
+            return _check_small
+        if self.kind == "tuple":
+            return _check_tuple
+        return partial(_check_payload, self.kind == "tensor", self.nbytes)
+
+    def check_batch(self, msgs: Sequence[Any], first: int) -> None:
+        """``check`` of every message in ``msgs``, numbered from ``first``."""
+        if self.kind in ("small", "tuple"):
+            key = "seq" if self.kind == "small" else 0
+            if [msg[key] for msg in msgs] == list(range(first, first + len(msgs))):
+                return
+        check = self.checker()
+        for seq, msg in enumerate(msgs, first):
+            check(msg, seq)
+
+
+def _check_small(msg: Any, seq: int) -> None:
+    if msg["seq"] != seq:
+        raise AssertionError(f"message {seq} arrived as {msg['seq']}: order broken")
+
+
+def _check_tuple(msg: Any, seq: int) -> None:
+    if msg[0] != seq:
+        raise AssertionError(f"message {seq} arrived as {msg[0]}: order broken")
+
+
+def _check_payload(tensor: bool, nbytes: int, msg: Any, seq: int) -> None:
+    if tensor and type(msg).__name__ != "Tensor":
+        raise AssertionError(f"tensor {seq} arrived as {type(msg).__qualname__}")
+    last = nbytes - 1
+    if len(msg) != nbytes or int(msg[last]) != last % 251:
+        raise AssertionError(f"array {seq} arrived damaged ({len(msg)} bytes)")
 
 
 @dataclass(frozen=True)
