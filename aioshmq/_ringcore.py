@@ -8,6 +8,7 @@ writers, slots, relays) lives in ``_ring``'s subclasses and runs on either.
 from __future__ import annotations
 
 import mmap
+import pickle
 import struct
 import time
 from collections.abc import Callable, Sequence
@@ -92,6 +93,9 @@ class WriterCore(_Mapped):
         self._found: list[Any] = []
         self._in_dumps = 0
         self.dumps_failed = False  # the last put_object's error came from dumps
+        # The serializer's stream pickles of numpy arrays by (dtype, shape), which
+        # put_object writes arrays with (the compiled core's ``arrays`` member).
+        self.arrays: Any = None
 
     def refresh_limits(self) -> tuple[int, int]:
         raise NotImplementedError
@@ -165,14 +169,16 @@ class WriterCore(_Mapped):
     def put_object(self, obj: Any, dumps: Callable[..., Any], count: int = 1) -> Any:
         """Pickle ``obj`` with ``dumps`` and put it as one plain record if it is one and
         fits now: None.  Otherwise nothing is written, and what is left is returned: ``()``
-        for a numpy array (the serializer has a faster way for those), else ``(main,
-        [PickleBuffer, ...])``.  With ``count`` > 1, ``obj`` is a list of that many messages
-        written as one batch record."""
+        for a numpy array (the serializer has its own way with those), else ``(main,
+        [PickleBuffer, ...])``.  A C-contiguous numpy array whose pickle (data aside) is in
+        ``arrays`` is written with it, data out of band, if it fits now: None.  With
+        ``count`` > 1, ``obj`` is a list of that many messages written as one batch
+        record."""
         if count < 1:
             raise ValueError("count must be at least 1")
         self.dumps_failed = False
         if _type_name(obj) == _NDARRAY:
-            return ()
+            return self._put_array(obj) if count == 1 else ()
         found: list[Any] = self._found if not self._in_dumps else []
         self._in_dumps += 1
         self.dumps_failed = True  # until dumps returns: says whose error an error is
@@ -188,6 +194,19 @@ class WriterCore(_Mapped):
         if self.put_plain(main, L.MSG | L.BATCH if count > 1 else L.MSG, count):
             return None
         return main, []
+
+    def _put_array(self, arr: Any) -> Any:
+        """``put_object``'s way with a numpy array: None if written now, else ``()``."""
+        arrays = self.arrays
+        if type(arrays) is not dict or type(arr).__base__ is not object:
+            return ()
+        dtype = arr.dtype
+        if dtype.isbuiltin != 1:  # its pickle says more than the cached one
+            return ()
+        main = arrays.get((dtype, arr.shape))
+        if type(main) is not bytes or not arr.flags.c_contiguous:
+            return ()
+        return None if self.put_buffer(main, pickle.PickleBuffer(arr).raw()) else ()
 
     def publish(self) -> None:
         if self.pos == self.head:

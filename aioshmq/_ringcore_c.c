@@ -60,6 +60,7 @@ static PyObject *CorruptedError; /* aioshmq._errors.CorruptedError */
 static PyObject *str_refresh_limits, *str_write_fd;
 static PyObject *dumps_kwnames; /* ("protocol", "buffer_callback") */
 static PyObject *five;
+static PyObject *str_dtype, *str_shape, *str_isbuiltin;
 static PyObject *pickle_loads; /* pickle.loads, which mem_load hands the core itself */
 
 static inline uint64_t ld(const uint64_t *p) {
@@ -243,6 +244,7 @@ typedef struct {
     uint64_t *signalled;   /* per reader: the sleep episode already woken */
     PyObject *found;       /* list the pickler's buffer_callback appends to */
     PyObject *found_append;
+    PyObject *arrays;      /* the serializer's array pickles by (dtype, shape), or NULL */
     int in_dumps;
     char dumps_failed;     /* the last put_object's error came from dumps */
     PyObject *weakreflist;
@@ -292,6 +294,7 @@ static int W_traverse(WriterCore *self, visitproc visit, void *arg) {
     Py_VISIT(self->wake);
     Py_VISIT(self->found);
     Py_VISIT(self->found_append);
+    Py_VISIT(self->arrays);
     Py_VISIT(self->dict);
     Py_VISIT(Py_TYPE(self));
     return 0;
@@ -301,6 +304,7 @@ static int W_clear(WriterCore *self) {
     Py_CLEAR(self->wake);
     Py_CLEAR(self->found);
     Py_CLEAR(self->found_append);
+    Py_CLEAR(self->arrays);
     Py_CLEAR(self->dict);
     return 0;
 }
@@ -447,10 +451,59 @@ static PyObject *W_put_buffer(WriterCore *self, PyObject *const *args, Py_ssize_
     return PyBool_FromLong(r);
 }
 
+/* The pickle (data aside) that ``arrays`` holds for ``arr``, a numpy.ndarray, as a new
+ * reference; NULL (no error set) where the serializer's own way is needed: no such pickle
+ * yet, a subclass, or a dtype that is not a builtin one (its pickle would say more). */
+static PyObject *array_main(WriterCore *self, PyObject *arr) {
+    if (self->arrays == NULL || !PyDict_CheckExact(self->arrays)
+        || Py_TYPE(arr)->tp_base != &PyBaseObject_Type)
+        return NULL;
+    PyObject *main = NULL, *key = NULL, *builtin = NULL;
+    PyObject *dtype = PyObject_GetAttr(arr, str_dtype);
+    PyObject *shape = dtype == NULL ? NULL : PyObject_GetAttr(arr, str_shape);
+    if (shape == NULL) goto done;
+    builtin = PyObject_GetAttr(dtype, str_isbuiltin);
+    if (builtin == NULL || !PyLong_CheckExact(builtin) || PyLong_AsLong(builtin) != 1) goto done;
+    key = PyTuple_Pack(2, dtype, shape);
+    if (key == NULL) goto done;
+    main = PyDict_GetItemWithError(self->arrays, key);
+    if (main != NULL && PyBytes_CheckExact(main))
+        Py_INCREF(main);
+    else
+        main = NULL;
+done:
+    PyErr_Clear();
+    Py_XDECREF(key);
+    Py_XDECREF(builtin);
+    Py_XDECREF(shape);
+    Py_XDECREF(dtype);
+    return main;
+}
+
+/* put_object's way with a numpy array: None if written now, else () for the serializer's
+ * way (which a C-contiguous array with its pickle in ``arrays`` takes only to wait). */
+static PyObject *W_put_array_(WriterCore *self, PyObject *arr) {
+    PyObject *main = array_main(self, arr);
+    if (main == NULL) return PyTuple_New(0);
+    Py_buffer b;
+    if (PyObject_GetBuffer(arr, &b, PyBUF_C_CONTIGUOUS) < 0) { /* not C-contiguous */
+        PyErr_Clear();
+        Py_DECREF(main);
+        return PyTuple_New(0);
+    }
+    int r = W_put_buffer_(self, (const uint8_t *)PyBytes_AS_STRING(main),
+                          (uint64_t)PyBytes_GET_SIZE(main), b.buf, (uint64_t)b.len);
+    PyBuffer_Release(&b);
+    Py_DECREF(main);
+    if (r < 0) return NULL;
+    return r ? Py_NewRef(Py_None) : PyTuple_New(0);
+}
+
 /* put_object(obj, dumps): pickle ``obj`` with ``dumps`` (pickle's signature) and, if that
  * gives one plain record with room for it now, write and publish it: None.  Otherwise
  * nothing is written and it returns what the caller needs to go on: () for a numpy array
- * (the serializer has a faster way for those), else (main, [PickleBuffer, ...]). */
+ * (the serializer has its own way with those), else (main, [PickleBuffer, ...]).  A numpy
+ * array whose pickle is in ``arrays`` is written with it if it fits now (W_put_array_). */
 static PyObject *W_put_object(WriterCore *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs < 2 || nargs > 3) {
         PyErr_SetString(PyExc_TypeError, "put_object(obj, dumps, count=1)");
@@ -465,7 +518,8 @@ static PyObject *W_put_object(WriterCore *self, PyObject *const *args, Py_ssize_
     self->dumps_failed = 0;
     if (mem_released(&self->m)) return NULL;
     PyObject *obj = args[0];
-    if (strcmp(Py_TYPE(obj)->tp_name, "numpy.ndarray") == 0) return PyTuple_New(0);
+    if (strcmp(Py_TYPE(obj)->tp_name, "numpy.ndarray") == 0)
+        return messages == 1 ? W_put_array_(self, obj) : PyTuple_New(0);
     PyObject *found, *append;
     if (self->in_dumps) { /* a __reduce__ that puts: never share the buffer list */
         found = PyList_New(0);
@@ -569,6 +623,8 @@ static PyMemberDef W_members[] = {
     U64RO(WriterCore, max_record, "largest record written whole"),
     {"dumps_failed", T_BOOL, offsetof(WriterCore, dumps_failed), 0,
      "the last put_object's error came from dumps"},
+    {"arrays", T_OBJECT, offsetof(WriterCore, arrays), 0,
+     "the stream pickles of numpy arrays by (dtype, shape), which put_object writes arrays with"},
     {"__weaklistoffset__", T_PYSSIZET, offsetof(WriterCore, weakreflist), READONLY},
     {"__dictoffset__", T_PYSSIZET, offsetof(WriterCore, dict), READONLY},
     {NULL}};
@@ -1168,6 +1224,9 @@ static int module_exec(PyObject *mod) {
     str_write_fd = PyUnicode_InternFromString("write_fd");
     dumps_kwnames = Py_BuildValue("(ss)", "protocol", "buffer_callback");
     five = PyLong_FromLong(5);
+    str_dtype = PyUnicode_InternFromString("dtype");
+    str_shape = PyUnicode_InternFromString("shape");
+    str_isbuiltin = PyUnicode_InternFromString("isbuiltin");
     PyObject *pickle = PyImport_ImportModule("pickle");
     if (pickle == NULL) return -1;
     pickle_loads = PyObject_GetAttrString(pickle, "loads");

@@ -187,6 +187,12 @@ class PickleSerializer(Serializer):
             self._see_torch()
         return self._current
 
+    @property
+    def array_pickles(self) -> dict[tuple[Any, ...], Buffer]:
+        """The stream pickles of plain numpy arrays by ``(dtype, shape)``, data out of band,
+        which a ring core's ``put_object`` may write arrays with itself."""
+        return self._arrays
+
     def finish(self, obj: Any, rest: Any) -> tuple[Buffer, list[memoryview]]:
         """``dumps(obj)`` given what a ring core's ``put_object`` left: ``()`` or
         ``(main, [PickleBuffer, ...])``."""

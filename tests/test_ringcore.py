@@ -498,3 +498,48 @@ def test_put_object_hands_back_what_it_did_not_write() -> None:
         assert (r.count, r.taken) == (5, 5)
         assert r.get_record(pickle.loads, None) is None
         assert r.spin(0.001) is False
+
+
+@pytest.mark.parametrize("core", ["pure", "compiled"])
+def test_put_object_writes_an_array_with_the_pickle_it_is_given_or_hands_it_back(
+    core: str,
+) -> None:
+    """A plain C-contiguous array whose stream pickle the serializer has made is written by
+    ``put_object`` itself, as ``put_buffer`` writes the serializer's result; any other array
+    comes back as ``()``, nothing written."""
+    from aioshmq._serialize import PickleSerializer
+
+    module = _ringcore if core == "pure" else _ringcore_c
+    if module is None:
+        pytest.skip("the compiled core is not built")
+    layout = Layout(8192, 9, 1)
+    ser = PickleSerializer()
+    array = np.arange(6.0).reshape(2, 3)
+    main, buffers = ser.dumps(array)  # the serializer's own way, which fills its cache
+    mem, expected = _memory(layout), _memory(layout)
+    w = _writer(module, mem, layout)
+    assert w.put_object(array, pickle.dumps) == ()  # no pickles given yet
+    w.arrays = ser.array_pickles
+    metadata = np.dtype(np.float64, metadata={"unit": "m"})
+    handed_back = [
+        np.zeros((3, 2)),  # a shape with no pickle yet
+        np.asfortranarray(array),  # not C-contiguous
+        np.arange(12.0).reshape(2, 6)[:, ::2],  # not contiguous at all
+        np.zeros((2, 3), dtype=metadata),  # its pickle says more than the cached one
+        np.zeros((2, 3), dtype=np.float32),
+        np.zeros((2, 1000)),  # larger than half the ring
+    ]
+    for other in handed_back:
+        assert w.put_object(other, pickle.dumps) == (), other.dtype
+    assert (w.pos, w.count) == (0, 0)
+    assert w.put_object(array, pickle.dumps) is None
+    assert w.put_object(array, pickle.dumps, 2) == ()  # a batch of arrays is not one record
+    assert w.put_object(array[::-1].copy(), pickle.dumps) is None
+    e = _writer(module, expected, layout)
+    assert e.put_buffer(main, buffers[0])
+    main, buffers = ser.dumps(array[::-1].copy())
+    assert e.put_buffer(main, buffers[0])
+    assert mem == expected
+    while w.put_object(array, pickle.dumps) is None:  # until the ring is full
+        assert w.count <= layout.max_messages
+    assert w.count == layout.max_messages and w.need_count == 1
