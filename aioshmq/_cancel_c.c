@@ -486,6 +486,18 @@ static int make_doc(PyMethodDef *def, PyObject **keep, const char *signature, Py
     return 0;
 }
 
+/* (put, get): ``put`` as a method descriptor of Writer, ``get`` of Reader (the types whose
+ * own slots setup_sync found), for the caller to install on the classes. */
+static PyObject *descriptors(PyMethodDef *put, PyMethodDef *get) {
+    PyObject *p = PyDescr_NewMethod(f_halt.type, put);
+    PyObject *g = p == NULL ? NULL : PyDescr_NewMethod(f_pending.type, get);
+    if (g == NULL) {
+        Py_XDECREF(p);
+        return NULL;
+    }
+    return Py_BuildValue("(NN)", p, g);
+}
+
 static PyObject *setup_sync(PyObject *module, PyObject *args) {
     PyObject *end_t, *writer_t, *reader_t, *lock_t, *ser_t, *a_put, *a_get, *a_empty;
     if (!PyArg_ParseTuple(args, "OOOOOOOO:setup_sync", &end_t, &writer_t, &reader_t, &lock_t,
@@ -508,13 +520,7 @@ static PyObject *setup_sync(PyObject *module, PyObject *args) {
     Py_XSETREF(pure_put, Py_NewRef(a_put));
     Py_XSETREF(pure_get, Py_NewRef(a_get));
     Py_XSETREF(empty, Py_NewRef(a_empty));
-    PyObject *put = PyDescr_NewMethod((PyTypeObject *)writer_t, &put_sync_def);
-    PyObject *get = put == NULL ? NULL : PyDescr_NewMethod((PyTypeObject *)reader_t, &get_sync_def);
-    if (get == NULL) {
-        Py_XDECREF(put);
-        return NULL;
-    }
-    return Py_BuildValue("(NN)", put, get);
+    return descriptors(&put_sync_def, &get_sync_def);
 }
 
 /* -- put and get ----------------------------------------------------------------------------
@@ -857,14 +863,7 @@ static PyObject *setup_async(PyObject *module, PyObject *args) {
         return NULL;
     Py_XSETREF(pure_aput, Py_NewRef(a_put));
     Py_XSETREF(pure_aget, Py_NewRef(a_get));
-    PyObject *writer_t = (PyObject *)f_halt.type, *reader_t = (PyObject *)f_pending.type;
-    PyObject *put = PyDescr_NewMethod((PyTypeObject *)writer_t, &aput_def);
-    PyObject *get = put == NULL ? NULL : PyDescr_NewMethod((PyTypeObject *)reader_t, &aget_def);
-    if (get == NULL) {
-        Py_XDECREF(put);
-        return NULL;
-    }
-    return Py_BuildValue("(NN)", put, get);
+    return descriptors(&aput_def, &aget_def);
 }
 
 static PyObject *direct_fields(PyObject *module, PyObject *unused) {
