@@ -11,6 +11,7 @@ import mmap
 import pickle
 import struct
 import time
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,6 +22,7 @@ from ._layout import record_size
 from ._notify import Notifier
 
 _NDARRAY = "numpy.ndarray"
+_OWN_PICKLE_MAX = 64 << 10  # a larger pickle: a new Pickler next time (as _ringcore_c.c)
 _TABLE_ONE = struct.Struct("<3Q")  # a single buffer's table: 1, main's length, its length
 
 
@@ -96,6 +98,8 @@ class WriterCore(_Mapped):
         # The serializer's stream pickles of numpy arrays by (dtype, shape), which
         # put_object writes arrays with (the compiled core's ``arrays`` member).
         self.arrays: Any = None
+        self._pickler: pickle.Pickler | None = None  # _own_dumps's, with its output
+        self._pieces: list[Any] = []
 
     def refresh_limits(self) -> tuple[int, int]:
         raise NotImplementedError
@@ -173,17 +177,21 @@ class WriterCore(_Mapped):
         [PickleBuffer, ...])``.  A C-contiguous numpy array whose pickle (data aside) is in
         ``arrays`` is written with it, data out of band, if it fits now: None.  With
         ``count`` > 1, ``obj`` is a list of that many messages written as one batch
-        record."""
+        record.  Given ``pickle.dumps``, it pickles with a Pickler it keeps (``_own_dumps``)."""
         if count < 1:
             raise ValueError("count must be at least 1")
         self.dumps_failed = False
         if _type_name(obj) == _NDARRAY:
             return self._put_array(obj) if count == 1 else ()
         found: list[Any] = self._found if not self._in_dumps else []
+        own = not self._in_dumps and dumps is pickle.dumps
         self._in_dumps += 1
         self.dumps_failed = True  # until dumps returns: says whose error an error is
         try:
-            main = dumps(obj, protocol=5, buffer_callback=found.append)
+            if own:
+                main = self._own_dumps(obj)
+            else:
+                main = dumps(obj, protocol=5, buffer_callback=found.append)
             self.dumps_failed = False
         finally:
             self._in_dumps -= 1
@@ -194,6 +202,24 @@ class WriterCore(_Mapped):
         if self.put_plain(main, L.MSG | L.BATCH if count > 1 else L.MSG, count):
             return None
         return main, []
+
+    def _own_dumps(self, obj: Any) -> bytes:
+        """``pickle.dumps(obj, protocol=5, buffer_callback=self._found.append)`` through a
+        Pickler kept between calls (see ``_ringcore_c.c``, before ``own_pickler``, for why
+        and for the one way its pickles differ from ``pickle.dumps``'s)."""
+        if self._pickler is None:
+            sink = types.SimpleNamespace(write=self._pieces.append)
+            self._pickler = pickle.Pickler(sink, 5, buffer_callback=self._found.append)
+        pieces = self._pieces
+        try:
+            self._pickler.dump(obj)
+            main = pieces[0] if len(pieces) == 1 and type(pieces[0]) is bytes else b"".join(pieces)
+        finally:
+            pieces.clear()
+            self._pickler.clear_memo()
+        if len(main) > _OWN_PICKLE_MAX:  # a Pickler keeps the largest buffer it needed
+            self._pickler = None
+        return main
 
     def _put_array(self, arr: Any) -> Any:
         """``put_object``'s way with a numpy array: None if written now, else ``()``."""

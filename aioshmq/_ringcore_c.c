@@ -60,6 +60,7 @@ static PyObject *CorruptedError; /* aioshmq._errors.CorruptedError */
 static PyObject *str_refresh_limits, *str_write_fd;
 static PyObject *dumps_kwnames; /* ("protocol", "buffer_callback") */
 static PyObject *five;
+static PyObject *pickle_dumps, *pickle_pickler, *namespace_type, *empty_bytes;
 static PyObject *str_dtype, *str_shape, *str_isbuiltin;
 static PyObject *pickle_loads; /* pickle.loads, which mem_load hands the core itself */
 
@@ -245,6 +246,8 @@ typedef struct {
     PyObject *found;       /* list the pickler's buffer_callback appends to */
     PyObject *found_append;
     PyObject *arrays;      /* the serializer's array pickles by (dtype, shape), or NULL */
+    PyObject *pickler;     /* own_pickler's Pickler, or NULL until it is needed */
+    PyObject *pickler_dump, *pickler_clear, *pieces; /* its dump, clear_memo and output */
     int in_dumps;
     char dumps_failed;     /* the last put_object's error came from dumps */
     PyObject *weakreflist;
@@ -290,11 +293,22 @@ static int W_init(WriterCore *self, PyObject *args, PyObject *kwds) {
     return 0;
 }
 
+static void drop_pickler(WriterCore *self) {
+    Py_CLEAR(self->pickler_dump);
+    Py_CLEAR(self->pickler_clear);
+    Py_CLEAR(self->pieces);
+    Py_CLEAR(self->pickler);
+}
+
 static int W_traverse(WriterCore *self, visitproc visit, void *arg) {
     Py_VISIT(self->wake);
     Py_VISIT(self->found);
     Py_VISIT(self->found_append);
     Py_VISIT(self->arrays);
+    Py_VISIT(self->pickler);
+    Py_VISIT(self->pickler_dump);
+    Py_VISIT(self->pickler_clear);
+    Py_VISIT(self->pieces);
     Py_VISIT(self->dict);
     Py_VISIT(Py_TYPE(self));
     return 0;
@@ -305,6 +319,7 @@ static int W_clear(WriterCore *self) {
     Py_CLEAR(self->found);
     Py_CLEAR(self->found_append);
     Py_CLEAR(self->arrays);
+    drop_pickler(self);
     Py_CLEAR(self->dict);
     return 0;
 }
@@ -499,6 +514,65 @@ static PyObject *W_put_array_(WriterCore *self, PyObject *arr) {
     return r ? Py_NewRef(Py_None) : PyTuple_New(0);
 }
 
+/* pickle.dumps keeps no state between calls, so each call makes a Pickler, its memo and a
+ * 4 KiB output buffer, about a fifth of the cost of pickling a small object.  In its
+ * place, put_object keeps a Pickler of its own (protocol 5, buffers to ``found``) writing
+ * into ``pieces``, and clears its memo after every call, so that it holds nothing of the
+ * object afterwards.  Its pickles are pickle.dumps's, byte for byte, save that data of 64 KiB
+ * or more pickled in-band lies outside pickle's frames, as a Pickler writing to a file puts
+ * it.  A Pickler keeps the largest output buffer it ever needed for every later call, so
+ * one that made a large pickle is dropped for a new one. */
+#define OWN_PICKLE_MAX (64 << 10)
+
+/* 0 with the core's own Pickler ready, or -1 with an error set. */
+static int own_pickler(WriterCore *self) {
+    if (self->pickler != NULL) return 0;
+    PyObject *pieces = PyList_New(0), *sink = NULL, *pickler = NULL;
+    PyObject *append = pieces == NULL ? NULL : PyObject_GetAttrString(pieces, "append");
+    if (append != NULL) sink = PyObject_CallNoArgs(namespace_type);
+    if (sink != NULL && PyObject_SetAttrString(sink, "write", append) == 0) {
+        PyObject *call[3] = {sink, five, self->found_append};
+        pickler = PyObject_Vectorcall(pickle_pickler, call, 1, dumps_kwnames);
+    }
+    Py_XDECREF(sink);
+    Py_XDECREF(append);
+    if (pickler != NULL) {
+        self->pickler = pickler;
+        self->pieces = pieces;
+        self->pickler_dump = PyObject_GetAttrString(pickler, "dump");
+        self->pickler_clear = PyObject_GetAttrString(pickler, "clear_memo");
+        if (self->pickler_dump != NULL && self->pickler_clear != NULL) return 0;
+    } else {
+        Py_XDECREF(pieces);
+    }
+    drop_pickler(self);
+    return -1;
+}
+
+/* pickle.dumps(obj, protocol=5, buffer_callback=found.append) through the core's own
+ * Pickler: the pickle as a new reference, or NULL with dump's error set. */
+static PyObject *own_dumps(WriterCore *self, PyObject *obj) {
+    PyObject *main = NULL, *pieces = self->pieces, *r = PyObject_CallOneArg(self->pickler_dump, obj);
+    if (r != NULL) {
+        Py_DECREF(r);
+        if (PyList_GET_SIZE(pieces) == 1 && PyBytes_CheckExact(PyList_GET_ITEM(pieces, 0)))
+            main = Py_NewRef(PyList_GET_ITEM(pieces, 0));
+        else
+            main = PyObject_CallMethod(empty_bytes, "join", "O", pieces);
+    }
+    PyObject *type, *exc, *tb;
+    PyErr_Fetch(&type, &exc, &tb);
+    int cleared = PyList_SetSlice(pieces, 0, PyList_GET_SIZE(pieces), NULL);
+    r = cleared < 0 ? NULL : PyObject_CallNoArgs(self->pickler_clear);
+    if (r == NULL || (main != NULL && PyBytes_GET_SIZE(main) > OWN_PICKLE_MAX)) {
+        PyErr_Clear(); /* a Pickler in doubt, or with a large buffer: a new one next time */
+        drop_pickler(self);
+    }
+    Py_XDECREF(r);
+    PyErr_Restore(type, exc, tb);
+    return main;
+}
+
 /* put_object(obj, dumps): pickle ``obj`` with ``dumps`` (pickle's signature) and, if that
  * gives one plain record with room for it now, write and publish it: None.  Otherwise
  * nothing is written and it returns what the caller needs to go on: () for a numpy array
@@ -534,8 +608,14 @@ static PyObject *W_put_object(WriterCore *self, PyObject *const *args, Py_ssize_
         append = Py_NewRef(self->found_append);
     }
     PyObject *call[3] = {obj, five, append};
+    int own = !self->in_dumps && args[1] == pickle_dumps;
+    if (own && own_pickler(self) < 0) {
+        Py_DECREF(found);
+        Py_DECREF(append);
+        return NULL;
+    }
     self->in_dumps++;
-    PyObject *main = PyObject_Vectorcall(args[1], call, 1, dumps_kwnames);
+    PyObject *main = own ? own_dumps(self, obj) : PyObject_Vectorcall(args[1], call, 1, dumps_kwnames);
     self->in_dumps--;
     Py_DECREF(append);
     PyObject *result = NULL;
@@ -1230,8 +1310,16 @@ static int module_exec(PyObject *mod) {
     PyObject *pickle = PyImport_ImportModule("pickle");
     if (pickle == NULL) return -1;
     pickle_loads = PyObject_GetAttrString(pickle, "loads");
+    pickle_dumps = PyObject_GetAttrString(pickle, "dumps");
+    pickle_pickler = PyObject_GetAttrString(pickle, "Pickler");
     Py_DECREF(pickle);
-    if (!str_refresh_limits || !str_write_fd || !dumps_kwnames || !five || !pickle_loads)
+    PyObject *types = PyImport_ImportModule("types");
+    if (types == NULL) return -1;
+    namespace_type = PyObject_GetAttrString(types, "SimpleNamespace");
+    Py_DECREF(types);
+    empty_bytes = PyBytes_FromStringAndSize(NULL, 0);
+    if (!str_refresh_limits || !str_write_fd || !dumps_kwnames || !five || !pickle_loads
+        || !pickle_dumps || !pickle_pickler || !namespace_type || !empty_bytes)
         return -1;
     PyObject *w = PyType_FromModuleAndSpec(mod, &W_spec, NULL);
     if (w == NULL || PyModule_AddObjectRef(mod, "WriterCore", w) < 0) {

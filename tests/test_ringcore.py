@@ -543,3 +543,96 @@ def test_put_object_writes_an_array_with_the_pickle_it_is_given_or_hands_it_back
     while w.put_object(array, pickle.dumps) is None:  # until the ring is full
         assert w.count <= layout.max_messages
     assert w.count == layout.max_messages and w.need_count == 1
+
+
+class _Thing:
+    """An object a test can see go (a weakref), pickled by reference to its class."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Thing) and other.n == self.n
+
+
+class _Fails:
+    def __reduce__(self) -> Any:
+        raise RuntimeError("cannot pickle this one")
+
+
+class _PutsWhilePickled:
+    """Puts a message of its own into ``core`` while it is being pickled."""
+
+    core: Any = None
+
+    def __reduce__(self) -> Any:
+        assert self.core.put_object(("inner", 1), pickle.dumps) is None
+        return (tuple, ((1, 2),))
+
+
+@pytest.mark.parametrize("core", ["pure", "compiled"])
+def test_put_object_pickles_as_pickle_dumps_does_and_keeps_nothing_of_the_object(
+    core: str,
+) -> None:
+    """With ``pickle.dumps`` a core pickles through a Pickler it keeps: the same bytes as
+    ``pickle.dumps``, nothing of a message held after the call (memo cleared), after an error
+    too, and a message put from inside the pickling of another one written whole."""
+    import weakref
+
+    module = _ringcore if core == "pure" else _ringcore_c
+    if module is None:
+        pytest.skip("the compiled core is not built")
+    layout = Layout(1 << 20, 64, 1)
+    mem = _memory(layout)
+    w, r = _writer(module, mem, layout), _reader(module, mem, layout)
+    shared = _Thing(3)
+    objects: list[Any] = [
+        ("small", 1),
+        {"seq": 7, "topic": "ticks/eu", "pad": b"x" * 50},
+        [shared, shared, {"again": shared}],  # the memo at work within one message
+        "é" * 300,
+        2**200,
+        [[1, 2], {3: 4}, frozenset({5})],
+    ]
+    for obj in objects:
+        assert w.put_object(obj, pickle.dumps) is None
+        assert r.get_plain(bytes, None) == pickle.dumps(obj, protocol=5)
+    thing = _Thing(9)
+    gone = weakref.ref(thing)
+    assert w.put_object([thing, thing], pickle.dumps) is None
+    del thing
+    assert gone() is None  # the kept Pickler's memo let it go
+    assert r.get_plain(pickle.loads, None) == [_Thing(9), _Thing(9)]
+    doomed = _Thing(10)
+    gone = weakref.ref(doomed)
+    with pytest.raises(RuntimeError, match="cannot pickle"):
+        w.put_object([doomed, _Fails()], pickle.dumps)
+    del doomed
+    assert gone() is None
+    assert w.put_object(("after", 2), pickle.dumps) is None  # nothing of the failure stays
+    assert r.get_plain(bytes, None) == pickle.dumps(("after", 2), protocol=5)
+    _PutsWhilePickled.core = w
+    try:
+        assert w.put_object([_PutsWhilePickled(), "outer"], pickle.dumps) is None
+    finally:
+        _PutsWhilePickled.core = None
+    assert r.get_plain(pickle.loads, None) == ("inner", 1)
+    assert r.get_plain(pickle.loads, None) == [(1, 2), "outer"]
+    big = [b"y" * (100 << 10), "tail"]  # in-band data of 64 KiB or more: out of the frames
+    assert w.put_object(big, pickle.dumps) is None
+    assert r.get_plain(pickle.loads, None) == big
+    assert w.put_object(("small", 2), pickle.dumps) is None  # a new Pickler: the same bytes
+    assert r.get_plain(bytes, None) == pickle.dumps(("small", 2), protocol=5)
+
+
+@needs_compiled
+def test_both_cores_pickle_to_the_same_bytes() -> None:
+    layout = Layout(1 << 20, 64, 1)
+    rings = []
+    for module in (_ringcore, _ringcore_c):
+        mem = _memory(layout)
+        w = _writer(module, mem, layout)
+        for obj in (("a", 1), [b"z" * (70 << 10), {"k": "v"}], bytearray(b"q" * 100), ("b", 2)):
+            assert w.put_object(obj, pickle.dumps) is None
+        rings.append(mem)
+    assert rings[0] == rings[1]
