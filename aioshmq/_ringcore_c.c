@@ -552,7 +552,10 @@ static int own_pickler(WriterCore *self) {
 /* pickle.dumps(obj, protocol=5, buffer_callback=found.append) through the core's own
  * Pickler: the pickle as a new reference, or NULL with dump's error set. */
 static PyObject *own_dumps(WriterCore *self, PyObject *obj) {
-    PyObject *main = NULL, *pieces = self->pieces, *r = PyObject_CallOneArg(self->pickler_dump, obj);
+    /* held here: dump runs Python code, which must not free what this call still uses */
+    PyObject *dump = Py_NewRef(self->pickler_dump), *clear = Py_NewRef(self->pickler_clear);
+    PyObject *pieces = Py_NewRef(self->pieces), *main = NULL;
+    PyObject *r = PyObject_CallOneArg(dump, obj);
     if (r != NULL) {
         Py_DECREF(r);
         if (PyList_GET_SIZE(pieces) == 1 && PyBytes_CheckExact(PyList_GET_ITEM(pieces, 0)))
@@ -563,12 +566,15 @@ static PyObject *own_dumps(WriterCore *self, PyObject *obj) {
     PyObject *type, *exc, *tb;
     PyErr_Fetch(&type, &exc, &tb);
     int cleared = PyList_SetSlice(pieces, 0, PyList_GET_SIZE(pieces), NULL);
-    r = cleared < 0 ? NULL : PyObject_CallNoArgs(self->pickler_clear);
+    r = cleared < 0 ? NULL : PyObject_CallNoArgs(clear);
     if (r == NULL || (main != NULL && PyBytes_GET_SIZE(main) > OWN_PICKLE_MAX)) {
         PyErr_Clear(); /* a Pickler in doubt, or with a large buffer: a new one next time */
-        drop_pickler(self);
+        if (self->pickler_dump == dump) drop_pickler(self);
     }
     Py_XDECREF(r);
+    Py_DECREF(pieces);
+    Py_DECREF(clear);
+    Py_DECREF(dump);
     PyErr_Restore(type, exc, tb);
     return main;
 }
