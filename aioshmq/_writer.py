@@ -191,7 +191,7 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
                 self._reader_wake.append(Notifier.create(kind))
             self._gate = Gate(layout.readers)
             self._ring = RingWriter(self._seg, layout, self._gate, self._reader_wake)
-            if isinstance(serializer, PickleSerializer):
+            if self._pickles:
                 self._ring.arrays = serializer.array_pickles
             self._broker = Broker(
                 name,
