@@ -37,6 +37,8 @@ typedef struct {
     PyTypeObject *type; /* a strong reference, or NULL: read by name */
     Py_ssize_t offset;
     PyObject **name;
+    PyTypeObject *also[2]; /* strong references, or NULL: subclasses of ``type`` that slot()
+                            * knows without walking their MRO */
 } Field;
 static Field f_cancel_scope = {NULL, 0, &s_cancel_scope};
 static Field f_cancel_called = {NULL, 0, &s_cancel_called};
@@ -93,6 +95,8 @@ static int field_true(PyObject *obj, const Field *f) {
  * slot if it is one of ``tp``'s own object slots, else left to read by name. */
 static int find_slot(PyObject *tp, Field *f) {
     Py_CLEAR(f->type);
+    Py_CLEAR(f->also[0]);
+    Py_CLEAR(f->also[1]);
     if (tp == Py_None) return 0;
     if (!PyType_Check(tp)) {
         PyErr_SetString(PyExc_TypeError, "expected a type or None");
@@ -306,8 +310,21 @@ static PyObject *put_doc, *get_doc;            /* the docstrings the descriptors
 /* Field ``f`` of ``obj`` (an instance of ``f->type`` or a subclass: slots are inherited) as a
  * borrowed reference, or NULL if the slot is empty or was not found at setup. */
 static PyObject *slot(PyObject *obj, const Field *f) {
-    if (f->type == NULL || !PyObject_TypeCheck(obj, f->type)) return NULL;
+    PyTypeObject *tp = Py_TYPE(obj);
+    if (f->type == NULL) return NULL;
+    if (tp != f->type && tp != f->also[0] && tp != f->also[1] && !PyType_IsSubtype(tp, f->type))
+        return NULL;
     return *(PyObject **)((char *)obj + f->offset);
+}
+
+/* End's fields, read on every call from a Writer or a Reader: slot() knows those two types
+ * (the types of f_halt and f_pending) as End's without walking their MRO. */
+static void know_ends(Field *f) {
+    PyTypeObject *ends[2] = {f_halt.type, f_pending.type};
+    for (int i = 0; i < 2; i++) {
+        int sub = f->type != NULL && ends[i] != NULL && PyType_IsSubtype(ends[i], f->type);
+        Py_XSETREF(f->also[i], sub ? (PyTypeObject *)Py_NewRef(ends[i]) : NULL);
+    }
 }
 
 /* Where a field of ``tp``'s instances lives, for slot(): a slot ``tp`` defines itself. */
@@ -348,10 +365,61 @@ static int truth(PyObject *value) {
     return value == Py_True ? 1 : value == Py_False ? 0 : PyObject_IsTrue(value);
 }
 
+/* A ring core's method as the ring's class defines it, looked up once for that class and
+ * again whenever the class changes (its version tag moves on); the ring's own attributes
+ * are still asked first, as a lookup by name asks them.  The full lookup on every call cost
+ * about 400 instructions of a put or a get here (callgrind), some 5% of either. */
+typedef struct {
+    PyObject **name;
+    PyTypeObject *type; /* a strong reference, or NULL */
+    unsigned int tag;   /* type's version tag when ``method`` was looked up */
+    PyObject *method;   /* a strong reference: a method descriptor of C code */
+} CoreMethod;
+static CoreMethod m_put_object = {&s_put_object}, m_get_plain = {&s_get_plain};
+
+static int core_method_current(const CoreMethod *m, PyTypeObject *tp) {
+    return tp == m->type && m->tag != 0 && tp->tp_version_tag == m->tag
+           && PyType_HasFeature(tp, Py_TPFLAGS_VALID_VERSION_TAG);
+}
+
+/* Remember what ``tp`` (the class of a ring the method was just called on) has under the
+ * method's name, if that is C code found on a plain class: looking it up runs no Python. */
+static void core_method_remember(CoreMethod *m, PyTypeObject *tp) {
+    if (Py_TYPE(tp) != &PyType_Type || !PyType_HasFeature(tp, Py_TPFLAGS_VALID_VERSION_TAG))
+        return;
+    PyObject *method = PyObject_GetAttr((PyObject *)tp, *m->name);
+    if (method == NULL || !Py_IS_TYPE(method, &PyMethodDescr_Type)
+        || !PyType_HasFeature(tp, Py_TPFLAGS_VALID_VERSION_TAG)) {
+        PyErr_Clear();
+        Py_XDECREF(method);
+        return;
+    }
+    Py_XSETREF(m->type, (PyTypeObject *)Py_NewRef(tp));
+    Py_XSETREF(m->method, method);
+    m->tag = tp->tp_version_tag;
+}
+
+/* Whether ``ring``'s own attributes hold ``name``, which then comes before its class's method
+ * (or cannot be told, which counts as yes). */
+static int shadowed(PyObject *ring, PyObject *name) {
+    if (Py_TYPE(ring)->tp_dictoffset == 0) return 0;
+    PyObject *dict = PyObject_GenericGetDict(ring, NULL);
+    int r = dict == NULL || !PyDict_CheckExact(dict) ? -1 : PyDict_Contains(dict, name);
+    Py_XDECREF(dict);
+    if (r < 0) PyErr_Clear();
+    return r != 0;
+}
+
 /* ring.<name>(a, b), holding what it is given: a slot's value may be replaced meanwhile. */
-static PyObject *call_core(PyObject *name, PyObject *ring, PyObject *a, PyObject *b) {
+static PyObject *call_core(CoreMethod *m, PyObject *ring, PyObject *a, PyObject *b) {
     PyObject *call[3] = {Py_NewRef(ring), Py_NewRef(a), Py_NewRef(b)};
-    PyObject *r = PyObject_VectorcallMethod(name, call, 3, NULL);
+    PyObject *r;
+    if (core_method_current(m, Py_TYPE(ring)) && !shadowed(ring, *m->name)) {
+        r = PyObject_Vectorcall(m->method, call, 3, NULL);
+    } else {
+        r = PyObject_VectorcallMethod(*m->name, call, 3, NULL);
+        if (r != NULL) core_method_remember(m, Py_TYPE(ring));
+    }
     for (int i = 0; i < 3; i++) Py_DECREF(call[i]);
     return r;
 }
@@ -426,7 +494,7 @@ static PyObject *sync_put(PyObject *end, PyObject *const *args, Py_ssize_t nargs
     PyObject *ring, *pickler;
     if (!put_ready(end, &ring, &pickler)) return call_pure(pure_put, end, args, nargs, kwnames);
     PyObject *obj = args[0];
-    PyObject *rest = call_core(s_put_object, ring, obj, pickler);
+    PyObject *rest = call_core(&m_put_object, ring, obj, pickler);
     if (rest == NULL) return put_failed(end, obj);
     if (rest == Py_None) return rest;
     PyObject *timeout = nargs > 1 || kwnames != NULL ? args[1] : Py_None;
@@ -446,7 +514,7 @@ static PyObject *sync_get(PyObject *end, PyObject *const *args, Py_ssize_t nargs
     }
     PyObject *ring, *loads;
     if (!get_ready(end, &ring, &loads)) return call_pure(pure_get, end, args, nargs, kwnames);
-    PyObject *obj = call_core(s_get_plain, ring, loads, empty);
+    PyObject *obj = call_core(&m_get_plain, ring, loads, empty);
     if (obj == NULL) {
         if (!PyErr_ExceptionMatches(PyExc_ValueError) || truth(slot(end, &f_closed)) != 1)
             return NULL;
@@ -514,6 +582,9 @@ static PyObject *setup_sync(PyObject *module, PyObject *args) {
         || find_own_slot(reader_t, &f_loads_plain) < 0 || find_own_slot(lock_t, &f_held) < 0
         || find_own_slot(ser_t, &f_current) < 0 || find_own_slot(ser_t, &f_torch) < 0)
         return NULL;
+    know_ends(&f_closed);
+    know_ends(&f_lock);
+    know_ends(&f_ring);
     if (make_doc(&put_sync_def, &put_doc, "put_sync($self, /, obj, timeout=None)", a_put) < 0
         || make_doc(&get_sync_def, &get_doc, "get_sync($self, /, timeout=None)", a_get) < 0)
         return NULL;
@@ -574,22 +645,28 @@ enum { DONE, FAILED, GO_ON, CHECKPOINT };
  * of the checkpoint to await before the next step. */
 static int step(PyObject *end, PyObject *obj, int checked, PyObject **out) {
     PyObject *ring, *x;
-    int ready = obj != NULL ? put_ready(end, &ring, &x) : get_ready(end, &ring, &x);
-    if (ready && !checked) {
-        PyObject *cancelled;
-        int due = pace_due(end, &cancelled);
+    int ready = 1;
+    if (!checked) {
+        /* In the pure method's order: a closed (put: halted) end raises before the pace and
+         * the cancellation check, and that is the pure method's to do. */
+        int closed = truth(slot(end, obj != NULL ? &f_halt : &f_closed));
+        if (closed < 0) PyErr_Clear();
+        ready = closed == 0;
+        PyObject *cancelled = NULL;
+        int due = ready ? pace_due(end, &cancelled) : 1;
         if (due < 0) return FAILED;
         if (cancelled != NULL) {
             *out = PyObject_CallNoArgs(cancelled);
             Py_DECREF(cancelled);
             return *out == NULL ? FAILED : CHECKPOINT;
         }
-        /* Read again: the check may have run Python code, after which a borrowed slot value
-         * is not to be trusted. */
-        ready = !due && (obj != NULL ? put_ready(end, &ring, &x) : get_ready(end, &ring, &x));
+        ready = !due;
     }
+    /* Read after the check, which may run Python code: a borrowed slot value read before it
+     * would not be trusted. */
+    if (ready) ready = obj != NULL ? put_ready(end, &ring, &x) : get_ready(end, &ring, &x);
     if (ready && obj != NULL) {
-        PyObject *rest = call_core(s_put_object, ring, obj, x);
+        PyObject *rest = call_core(&m_put_object, ring, obj, x);
         if (rest == NULL) return put_failed(end, obj), FAILED;
         if (rest == Py_None) return *out = rest, DONE;
         *out = PyObject_CallMethodObjArgs(end, s_put_rest, obj, rest, NULL);
@@ -597,7 +674,7 @@ static int step(PyObject *end, PyObject *obj, int checked, PyObject **out) {
         return *out == NULL ? FAILED : GO_ON;
     }
     if (ready) {
-        PyObject *got = call_core(s_get_plain, ring, x, empty);
+        PyObject *got = call_core(&m_get_plain, ring, x, empty);
         if (got == NULL) return FAILED; /* what the pure get raises */
         if (got != empty) return *out = got, DONE;
         Py_DECREF(got);
@@ -858,6 +935,7 @@ static PyObject *setup_async(PyObject *module, PyObject *args) {
         return NULL;
     }
     if (find_own_slot(end_t, &f_next_yield) < 0) return NULL;
+    know_ends(&f_next_yield);
     if (make_doc(&aput_def, &aput_doc, "put($self, /, obj)", a_put) < 0
         || make_doc(&aget_def, &aget_doc, "get($self, /)", a_get) < 0)
         return NULL;

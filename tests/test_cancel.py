@@ -365,6 +365,60 @@ def test_the_compiled_sync_calls_answer_as_the_pure_ones() -> None:
     assert both(gets)[0][:2] == ("raised", anyio.ClosedResourceError)
 
 
+def test_the_compiled_calls_call_the_core_method_a_lookup_finds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``put``, ``get``, ``put_sync`` and ``get_sync`` call the ring core's ``put_object`` and
+    ``get_plain`` as a lookup by name finds them: one set on the ring itself, or on its class,
+    is the one called (the compiled calls remember the class's method, and notice a change),
+    and the core's own again once it is gone."""
+    calls: list[str] = []
+
+    def on_instance(ring: Any, name: str) -> None:
+        real = getattr(ring, name)
+
+        def spy(a: Any, b: Any) -> Any:
+            calls.append(name)
+            return real(a, b)
+
+        monkeypatch.setattr(ring, name, spy)
+
+    def on_class(ring: Any, name: str) -> None:
+        real = getattr(type(ring), name)
+
+        def spy(self: Any, a: Any, b: Any) -> Any:
+            calls.append(name)
+            return real(self, a, b)
+
+        monkeypatch.setattr(type(ring), name, spy)
+
+    with aioshmq.create(capacity=1 << 16) as w, aioshmq.connect(w.name) as r:
+
+        async def put_and_get(obj: object) -> object:
+            await w.put(obj)
+            return await r.get()
+
+        def round_trips(tag: str) -> list[object]:
+            w.put_sync((tag, "sync"))
+            return [r.get_sync(), anyio.run(put_and_get, (tag, "async"))]
+
+        assert round_trips("before") == [("before", "sync"), ("before", "async")]
+        assert calls == []
+        # The class first: undone, pytest may leave the ring holding its own bound method.
+        for patch in (on_class, on_instance):
+            patch(w._ring, "put_object")
+            patch(r._ring, "get_plain")
+            assert round_trips(patch.__name__) == [
+                (patch.__name__, "sync"),
+                (patch.__name__, "async"),
+            ]
+            assert calls == ["put_object", "get_plain"] * 2, patch.__name__
+            monkeypatch.undo()
+            calls.clear()
+            assert round_trips("after") == [("after", "sync"), ("after", "async")]
+            assert calls == []
+
+
 async def _awaited(call: Callable[[], Awaitable[Any]]) -> object:
     """What awaiting ``call()`` gives: what it returned or raised, or ``("waited",)`` if it
     was still waiting once every task was blocked (it is then cancelled)."""
