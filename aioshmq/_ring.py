@@ -236,15 +236,11 @@ class RingWriter(WriterCore):
         self.refresh_limits()
         return self.pos + need <= self.limit_pos and self.count + messages <= self.limit_count
 
-    def _span(self, size: int) -> int:
-        """Bytes a record of ``size`` takes at the cursor, with the PAD before it if any."""
+    def _place(self, size: int, span: int) -> int:
+        """The offset where a record of ``size`` goes, taking ``span`` bytes at the cursor
+        (as ``span()`` said): after a PAD up to the end, written here, if it is more."""
         off = self.pos % self.cap
-        return size if off + size <= self.cap else self.cap - off + size
-
-    def _place(self, size: int) -> int:
-        """Write a PAD if needed; the offset where a record of ``size`` goes."""
-        off = self.pos % self.cap
-        if off + size > self.cap:
+        if span != size:
             self.q[off >> 3] = ((self.cap - off - L.HEADER_SIZE) << 8) | L.PAD
             self.pos += self.cap - off
             off = 0
@@ -253,11 +249,11 @@ class RingWriter(WriterCore):
     def try_write(self, frame: Frame) -> bool:
         """Write a whole-record message unpublished, if there is room for it now."""
         size = record_size(frame.length)
-        span = self._span(size)
+        span = self.span(size)
         if not self._room(span, frame.count):
             self.need = (span, frame.count)
             return False
-        off = self._place(size)
+        off = self._place(size, span)
         i = off >> 3
         self.q[i] = (frame.length << 8) | frame.kind
         self.q[i + 1] = frame.aux
@@ -275,7 +271,7 @@ class RingWriter(WriterCore):
         chunk = min(self.layout.fragment_payload, frame.length - done)
         size = record_size(chunk)
         last = done + chunk == frame.length
-        span = self._span(size)
+        span = self.span(size)
         if not self._room(span, 1 if last else 0):
             self.need = (span, 1 if last else 0)
             return done
@@ -283,7 +279,7 @@ class RingWriter(WriterCore):
             kind, aux = L.FIRST | (frame.kind & L.OOB), frame.length
         else:
             kind, aux = (L.LAST if last else L.MIDDLE), 0
-        off = self._place(size)
+        off = self._place(size, span)
         self.q[off >> 3] = (chunk << 8) | kind
         self.q[(off >> 3) + 1] = aux
         start = off + L.HEADER_SIZE
@@ -430,12 +426,11 @@ class RingWriter(WriterCore):
         in order and back to back.  Records that land side by side are copied at once.
         """
         done = 0
-        cap, data = self.cap, self.data
+        data = self.data
         src = dst = length = 0  # the pending copy
         for start, size, messages in records:
             pos = self.pos
-            off = pos % cap
-            span = cap - off + size if off + size > cap else size
+            span = self.span(size)
             if (pos + span > self.limit_pos or self.count + messages > self.limit_count) and not (
                 self._room(span, messages)
             ):
@@ -444,7 +439,7 @@ class RingWriter(WriterCore):
             if span != size or not length:
                 if length:
                     data[dst : dst + length] = run[src : src + length]
-                off = self._place(size)
+                off = self._place(size, span)
                 src, dst, length = start, off, 0
             length += size
             self.pos += size

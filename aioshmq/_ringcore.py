@@ -92,6 +92,7 @@ class WriterCore(_Mapped):
         self.sent = 0  # messages and payload bytes put through put_plain and put_buffer
         self.sent_bytes = 0
         self.max_record = capacity // 2
+        self._rewind_try = 0  # span() reads the tails for a rewind from here on
         self._found: list[Any] = []
         self._in_dumps = 0
         self.dumps_failed = False  # the last put_object's error came from dumps
@@ -104,16 +105,43 @@ class WriterCore(_Mapped):
     def refresh_limits(self) -> tuple[int, int]:
         raise NotImplementedError
 
-    def _claim(self, size: int, count: int) -> int:
-        """The data-area offset of room for a record of ``size`` bytes holding ``count``
-        messages at the cursor (its PAD written if it wraps), or -1: no room now (``need_*``
-        set), or too big."""
-        if size > self.max_record:
-            return -1
+    def span(self, size: int) -> int:
+        """Bytes a record of ``size`` takes at the cursor: ``size``, or that and a PAD up to
+        the end of the data area before it, which sends the record back to the start.
+
+        It goes back where it would cross the end, and also (a rewind) where the cursor is
+        a quarter of the area or ``REWIND_AT`` in, whichever is more, and no unread byte lies
+        in the record's way at the start (``_layout`` says why).  Whether anything unread is
+        in the way is read afresh at most once per that many bytes.
+        """
         cap = self._cap
         pos = self.pos
         off = pos % cap
-        span = cap - off + size if off + size > cap else size
+        at = max(cap // 4, L.REWIND_AT)
+        if off + size > cap:
+            return cap - off + size
+        if off < at:
+            return size
+        back = cap - off + size
+        if pos + back > self.limit_pos:
+            if pos < self._rewind_try:
+                return size
+            self.refresh_limits()
+            if pos + back > self.limit_pos:
+                self._rewind_try = pos + at
+                return size
+        return back
+
+    def _claim(self, size: int, count: int) -> int:
+        """The data-area offset of room for a record of ``size`` bytes holding ``count``
+        messages at the cursor (its PAD written if it goes back to the start), or -1: no
+        room now (``need_*`` set), or too big."""
+        if size > self.max_record:
+            return -1
+        span = self.span(size)
+        cap = self._cap
+        pos = self.pos
+        off = pos % cap
         if pos + span > self.limit_pos or self.count + count > self.limit_count:
             self.refresh_limits()
             if pos + span > self.limit_pos or self.count + count > self.limit_count:

@@ -53,6 +53,7 @@
 #define OOB 0x10
 #define BATCH 0x20
 #define KIND_MASK 0x0F
+#define REWIND_AT (256 * 1024)
 
 typedef _Atomic uint64_t au64;
 
@@ -239,7 +240,7 @@ typedef struct {
     Mem m;
     unsigned long long pos, count, head, head_count, limit_pos, limit_count;
     unsigned long long need_span, need_count, wakeups, publishes, sent, sent_bytes;
-    unsigned long long max_record;
+    unsigned long long max_record, rewind_try;
     PyObject *wake;        /* tuple of Notifiers, one per reader */
     int *wake_eventfd;
     uint64_t *signalled;   /* per reader: the sleep episode already woken */
@@ -290,6 +291,7 @@ static int W_init(WriterCore *self, PyObject *args, PyObject *kwds) {
     self->limit_pos = cap;
     self->limit_count = max_messages;
     self->max_record = cap / 2;
+    self->rewind_try = 0;
     return 0;
 }
 
@@ -362,20 +364,48 @@ static int W_publish_(WriterCore *self) {
     return W_wake_readers(self);
 }
 
+static int W_refresh_(WriterCore *self) {
+    PyObject *r = PyObject_CallMethodNoArgs((PyObject *)self, str_refresh_limits);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    return mem_released(&self->m) ? -1 : 0;
+}
+
+/* Bytes a record of ``size`` takes at the cursor: ``size``, or that and a PAD up to the end
+ * of the data area before it, which sends the record back to the start.  It goes back where
+ * it would cross the end, and also (a rewind) where the cursor is a quarter of the area or
+ * REWIND_AT in, whichever is more, and no unread byte lies in the record's way at the
+ * start; _layout.py says why.  Whether anything unread is in the way is read afresh at most
+ * once per that many bytes.  -1 on error. */
+static int64_t W_span_(WriterCore *self, uint64_t size) {
+    uint64_t cap = self->m.cap, pos = self->pos, off = pos % cap;
+    uint64_t at = cap / 4 > REWIND_AT ? cap / 4 : REWIND_AT;
+    if (off + size > cap) return (int64_t)(cap - off + size);
+    if (off < at) return (int64_t)size;
+    uint64_t back = cap - off + size;
+    if (pos + back > self->limit_pos) {
+        if (pos < self->rewind_try) return (int64_t)size;
+        if (W_refresh_(self) < 0) return -1;
+        if (pos + back > self->limit_pos) {
+            self->rewind_try = pos + at;
+            return (int64_t)size;
+        }
+    }
+    return (int64_t)back;
+}
+
 /* Claim room for a record of ``size`` bytes holding ``messages`` messages at the cursor,
- * writing the PAD before it if it wraps: its offset in the data area, or -2 if there is
- * no room now (need_* set) or it is too big, -1 on error. */
+ * writing the PAD before it if it goes back to the start: its offset in the data area, or
+ * -2 if there is no room now (need_* set) or it is too big, -1 on error. */
 static int64_t W_claim_(WriterCore *self, uint64_t size, uint64_t messages) {
     Mem *m = &self->m;
     if (mem_released(m)) return -1;
     if (size > self->max_record) return -2;
-    uint64_t cap = m->cap, pos = self->pos, off = pos % cap;
-    uint64_t span = off + size > cap ? cap - off + size : size;
+    int64_t spanned = W_span_(self, size);
+    if (spanned < 0) return -1;
+    uint64_t cap = m->cap, pos = self->pos, off = pos % cap, span = (uint64_t)spanned;
     if (pos + span > self->limit_pos || self->count + messages > self->limit_count) {
-        PyObject *r = PyObject_CallMethodNoArgs((PyObject *)self, str_refresh_limits);
-        if (r == NULL) return -1;
-        Py_DECREF(r);
-        if (mem_released(m)) return -1;
+        if (W_refresh_(self) < 0) return -1;
         if (pos + span > self->limit_pos || self->count + messages > self->limit_count) {
             self->need_span = span;
             self->need_count = messages;
@@ -676,6 +706,14 @@ static int W_getbuffer(WriterCore *self, Py_buffer *view, int flags) {
 }
 static void W_releasebuffer(WriterCore *self, Py_buffer *view) { mem_releasebuffer(&self->m); }
 
+static PyObject *W_span(WriterCore *self, PyObject *arg) {
+    if (mem_released(&self->m)) return NULL;
+    unsigned long long size = PyLong_AsUnsignedLongLong(arg);
+    if (size == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    int64_t span = W_span_(self, size);
+    return span < 0 ? NULL : PyLong_FromLongLong(span);
+}
+
 static PyMethodDef W_methods[] = {
     {"put_plain", (PyCFunction)(void (*)(void))W_put_plain, METH_FASTCALL,
      "Write and publish one record without buffers if there is room now: the hot path."},
@@ -683,6 +721,8 @@ static PyMethodDef W_methods[] = {
      "Write and publish one message with one out-of-band buffer if there is room now."},
     {"put_object", (PyCFunction)(void (*)(void))W_put_object, METH_FASTCALL,
      "Pickle an object and put it as one plain record if it is one; else what is left."},
+    {"span", (PyCFunction)W_span, METH_O,
+     "Bytes a record of this size takes at the cursor, with the PAD before it if any."},
     {"publish", (PyCFunction)W_publish, METH_NOARGS, "Make what was written visible."},
     {"_wake_readers", (PyCFunction)W_wake_readers_py, METH_NOARGS,
      "Wake each reader that sleeps in an episode not yet woken."},
@@ -1354,6 +1394,7 @@ static int module_exec(PyObject *mod) {
         || add_int(layout, "FIRST", FIRST) || add_int(layout, "MIDDLE", MIDDLE)
         || add_int(layout, "LAST", LAST) || add_int(layout, "OOB", OOB)
         || add_int(layout, "BATCH", BATCH) || add_int(layout, "KIND_MASK", KIND_MASK)
+        || add_int(layout, "REWIND_AT", REWIND_AT)
         || PyModule_AddObjectRef(mod, "LAYOUT", layout) < 0) {
         Py_DECREF(layout);
         return -1;

@@ -139,6 +139,56 @@ def test_both_cores_write_and_read_the_same_bytes(ops: list[tuple[str, int, int]
         assert sides[0][0] == sides[1][0]  # byte for byte
 
 
+def _take(r: Any) -> bytes:
+    """The reader's next message, stepping over a PAD first if one comes."""
+    msg = r.get_plain(bytes, b"")
+    if msg != b"":
+        return msg  # type: ignore[no-any-return]
+    nxt = r.next()
+    assert nxt is not None
+    r.tail += nxt[2]
+    r.count += r.messages
+    r.publish()
+    return bytes(nxt[0])
+
+
+@needs_compiled
+@pytest.mark.parametrize("behind", [0, 1, 3])
+def test_both_cores_send_a_record_back_to_the_start_once_nothing_unread_is_in_its_way(
+    behind: int,
+) -> None:
+    """Once the cursor is a quarter of the data area in (at least ``REWIND_AT``), the next
+    record goes back to the start, after a PAD, if no unread byte lies in its way there: a
+    reader that keeps up has every record written in the first quarter and a record.  A
+    reader ``behind`` records behind still gets every message whole and in order.  Both
+    cores place every record alike, byte for byte."""
+    layout = Layout(4 * L.REWIND_AT, 64, 1)
+    n = 100_000
+    size = record_size(n)
+    sides = []
+    for core in (_ringcore, _ringcore_c):
+        mem = _memory(layout)
+        sides.append((mem, _writer(core, mem, layout), _reader(core, mem, layout)))
+    offsets: set[int] = set()
+    read = 0
+    for i in range(60):
+        for _mem, w, _r in sides:
+            assert w.put_plain(bytes([i]) * n) is True
+        offsets.add((sides[0][1].head - size) % layout.capacity)
+        while read < i + 1 - behind:
+            assert [_take(r) for _mem, _w, r in sides] == [bytes([read]) * n] * 2
+            read += 1
+        (mem_a, wa, ra), (mem_b, wb, rb) = sides
+        assert (wa.pos, wa.count, ra.tail, ra.count) == (wb.pos, wb.count, rb.tail, rb.count)
+        assert mem_a == mem_b
+    if behind == 0:
+        assert offsets == {0, size, 2 * size}  # the third ends past REWIND_AT: back to 0
+    else:  # the start is free again once the reader left it: it goes back later, not never
+        assert 0 in offsets and max(offsets) + size > L.REWIND_AT
+        assert max(offsets) < layout.capacity - size
+    assert sides[0][1].pos > 60 * size  # the PADs took positions: each went back
+
+
 @pytest.mark.parametrize("core", ["pure", "compiled"])
 @pytest.mark.parametrize(("main_len", "buf_len"), [(0, 0), (1, 1), (100, 3000), (8, 1000)])
 def test_put_buffer_lays_out_a_message_as_a_frame_does(
