@@ -5,20 +5,24 @@
 For each size, streams one numpy array again and again with ``put`` to a reader in another
 process (spawned), which reads each one in a ``lease()`` and looks at its last byte, as the
 bench's large rows do, through a ring of four payloads.  It prints the rate, the writer's
-microseconds inside ``put`` and the reader's after it enters each lease.  Then, in this
-process alone, it times ``numpy.copyto`` of the same array into four slots of shared memory
-in turn, next to the bench's memcpy floor (an in-cache copy, the large rows' 100%).  Where
-``put`` takes what the copy into four slots takes, the row is bound by the copy, not by the
-queue (benchmarks.md).  Run it alone on the machine.
+microseconds inside ``put`` and the reader's after it enters each lease, and how often the
+writer used each of the ring's four slots (it goes back to the first once the reader is done
+with it: a rewind, ARCHITECTURE.md).  Then, in this process alone, it times ``numpy.copyto``
+of the same array into one, two and four slots of shared memory in turn, next to the bench's
+memcpy floor (an in-cache copy, the large rows' 100%).  Where ``put`` takes what the copy
+into as many slots as it used takes, the row is bound by the copy, not by the queue
+(benchmarks.md).  Run it alone on the machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import mmap
 import multiprocessing
 import os
 import time
+from collections import Counter
 from typing import Any
 
 import anyio
@@ -48,8 +52,10 @@ def _reader(handle: aioshmq.Handle, results: Any) -> None:
     anyio.run(main)
 
 
-async def _stream(nbytes: int, seconds: float) -> tuple[float, float, float]:
-    """GB/s through a ring of four payloads, the writer's us inside put, the reader's us."""
+async def _stream(nbytes: int, seconds: float) -> tuple[float, float, float, dict[int, int]]:
+    """GB/s through a ring of four payloads, the writer's us inside put, the reader's us, and
+    how many payloads were written at each of the ring's four slots (the writer goes back to
+    the start once the reader left it: ARCHITECTURE.md, "a rewind")."""
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     async with aioshmq.create(capacity=4 * nbytes) as writer:
@@ -62,12 +68,14 @@ async def _stream(nbytes: int, seconds: float) -> tuple[float, float, float]:
             for _ in range(50):
                 await writer.put(array)
             sent, inside, clock = 0, 0.0, time.perf_counter
+            ring, heads = writer._ring, [writer._ring.head]
             begin = clock()
             while clock() - begin < seconds:
                 start = clock()
                 await writer.put(array)
                 inside += clock() - start
                 sent += 1
+                heads.append(ring.head)
             elapsed = clock() - begin
             await writer.put(None)
             _, reader_us = results.get(timeout=60)
@@ -75,7 +83,10 @@ async def _stream(nbytes: int, seconds: float) -> tuple[float, float, float]:
             child.join(30)
             if child.is_alive():
                 child.kill()
-    return nbytes * sent / elapsed / 1e9, inside / sent * 1e6, reader_us
+    # A record's size is the smallest step of the head (a step with a PAD is larger).
+    size = min(b - a for a, b in itertools.pairwise(heads))
+    slots = Counter((head - size) % ring.cap // nbytes for head in heads[1:])
+    return nbytes * sent / elapsed / 1e9, inside / sent * 1e6, reader_us, dict(slots)
 
 
 def _copy_us(nbytes: int, slots: int, count: int = 1000) -> float:
@@ -107,13 +118,17 @@ def main() -> None:
     args = parser.parse_args()
     for kib in args.sizes:
         nbytes = kib * 1024
-        gbps, put_us, reader_us = anyio.run(_stream, nbytes, args.seconds)
-        cycling_us, floor = _copy_us(nbytes, 4), memcpy_gbps(nbytes, 1.0)
+        gbps, put_us, reader_us, slots = anyio.run(_stream, nbytes, args.seconds)
+        sent = sum(slots.values())
+        where = ", ".join(f"{q}: {100 * n / sent:.0f}%" for q, n in sorted(slots.items()))
+        cycling = ", ".join(f"{n} {_copy_us(nbytes, n):.1f}" for n in (1, 2, 4))
+        floor = memcpy_gbps(nbytes, 1.0)
         print(
             f"{kib} KiB: {gbps:.1f} GB/s through a ring of 4 payloads ({100 * gbps / floor:.0f}% "
             f"of memcpy), {put_us:.1f} us inside put, the reader {reader_us:.1f} us after "
-            f"entering a lease; numpy.copyto into 4 slots in turn {cycling_us:.1f} us, the "
-            f"memcpy floor {floor:.1f} GB/s = {nbytes / floor / 1e3:.1f} us"
+            f"entering a lease; payloads written at each slot {{{where}}}; "
+            f"numpy.copyto into 1, 2 and 4 slots in turn (us): {cycling}; the memcpy floor "
+            f"{floor:.1f} GB/s = {nbytes / floor / 1e3:.1f} us"
         )
 
 
