@@ -24,11 +24,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _ring
+from . import _gate
 from ._errors import busy
+from ._gate import DEAD
 from ._log import log
 from ._notify import Notifier, NotifierKind
-from ._ring import DEAD, RingWriter
+from ._ring import RingWriter
 
 PREFIX = "\0aioshmq/"
 OBSERVE = b'{"observe": true}'  # a live view's request: no slot, the memory read-only
@@ -305,11 +306,11 @@ class Broker:
         what only this process knows of its slots; no slot changes hands."""
         holders = {c.index: c for c in self._conns if c.attached}
         letters = {
-            _ring.PENDING: "p",
-            _ring.ATTACHED: "a",
-            _ring.DETACHED: "d",
+            _gate.PENDING: "p",
+            _gate.ATTACHED: "a",
+            _gate.DETACHED: "d",
             DEAD: "x",
-            _ring.EVICTED: "e",
+            _gate.EVICTED: "e",
         }
         with self.ring.gate.lock:
             states = "".join(letters.get(state, "?") for state in self.ring.gate.states)
@@ -400,7 +401,7 @@ class Broker:
             self._dead_pids[index] = conn.pid
             self._dead_peers[index] = conn.peer
         prior = self.ring.leave(index, dead)
-        if prior == _ring.EVICTED:
+        if prior == _gate.EVICTED:
             self._dead_pids.pop(index, None)
             self._dead_peers.pop(index, None)
             log.info(

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import os
 import struct
-import threading
 from collections.abc import Sequence
-from typing import Final
 
 from . import _layout as L
 from . import _switch
 from ._atomics import acquire, fence, release
 from ._errors import CorruptedError, ReaderEvicted, busy
+from ._gate import ATTACHED, DEAD, DETACHED, EVICTED, WAITED_FOR, Gate
 from ._layout import Layout, record_size
 from ._notify import Notifier
 from ._ringcore import ReaderCore, WriterCore, check_record
@@ -26,15 +25,6 @@ from ._serialize import Buffer
 
 if _switch.COMPILED:
     from ._ringcore_c import ReaderCore, WriterCore
-
-PENDING: Final = 0  # never attached: keeps every message for the reader to come
-ATTACHED: Final = 1
-DETACHED: Final = 2  # gave its slot up: not waited for
-DEAD: Final = 3  # its process ended without closing: still waited for, so the writer can tell
-# Its live reader was evicted (slow_reader_timeout): not waited for, and not handed out again
-# until that reader's connection ends.
-EVICTED: Final = 4
-WAITED_FOR: Final = (PENDING, ATTACHED, DEAD)
 
 _U64 = struct.Struct("<Q")
 _TABLE_HEAD = struct.Struct("<QQ")
@@ -149,21 +139,6 @@ def decode(payload: memoryview, kind: int) -> tuple[memoryview, list[memoryview]
     return main, buffers
 
 
-class Gate:
-    """Which reader slots the writer waits for; shared by the writer and its broker thread.
-
-    ``lock`` serializes the writer's recomputation of its limits with a slot being attached,
-    so a reader that starts at the current head is never overrun by a limit computed
-    without it.
-    """
-
-    __slots__ = ("lock", "states")
-
-    def __init__(self, readers: int) -> None:
-        self.lock = threading.Lock()
-        self.states = [PENDING] * readers
-
-
 class RingWriter(WriterCore):
     """The writer's side: reserve space, write records, publish, and wake sleeping readers.
 
@@ -182,7 +157,7 @@ class RingWriter(WriterCore):
         seg.track(self)  # the core lets go of the memory before the segment unmaps it
         self.seg = seg
         self.layout = layout
-        self.gate = gate
+        self.gate: Gate = gate  # the core reads it in refresh_limits
         self.wake = wake
         self.cap = layout.capacity
         self.data = seg.data
@@ -208,27 +183,6 @@ class RingWriter(WriterCore):
         self.need_span, self.need_count = value
 
     # -- space -------------------------------------------------------------------------
-
-    def refresh_limits(self) -> tuple[int, int]:
-        """Re-read the tails of the counted readers; returns (min tail, min count)."""
-        w = self.w
-        with self.gate.lock:
-            # From the published head, not the cursor: a reader attaching now starts there.
-            lo_pos, lo_count = self.head, self.head_count
-            for i, state in enumerate(self.gate.states):
-                if state in WAITED_FOR:
-                    t = w[self.r_tail[i]]
-                    c = w[self.r_count[i]]
-                    if t > self.head or c > self.head_count:
-                        raise CorruptedError(
-                            f"reader {i} claims position {t}/{c} beyond the head "
-                            f"{self.head}/{self.head_count}"
-                        )
-                    lo_pos = min(lo_pos, t)
-                    lo_count = min(lo_count, c)
-        self.limit_pos = lo_pos + self.cap
-        self.limit_count = lo_count + self.layout.max_messages
-        return lo_pos, lo_count
 
     def _room(self, need: int, messages: int) -> bool:
         if self.pos + need <= self.limit_pos and self.count + messages <= self.limit_count:

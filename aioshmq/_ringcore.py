@@ -18,6 +18,7 @@ from typing import Any
 from . import _layout as L
 from ._atomics import acquire, fence, release
 from ._errors import CorruptedError
+from ._gate import WAITED_FOR, Gate
 from ._layout import record_size
 from ._notify import Notifier
 
@@ -76,7 +77,10 @@ class WriterCore(_Mapped):
         self._w_head = L.writer_word_index(L.W_HEAD)
         self._w_count = L.writer_word_index(L.W_HEAD_COUNT)
         self._r_sleep = [L.reader_word_index(i, L.R_SLEEP) for i in range(readers)]
+        self._r_tail = [L.reader_word_index(i, L.R_TAIL) for i in range(readers)]
+        self._r_count = [L.reader_word_index(i, L.R_TAIL_COUNT) for i in range(readers)]
         self._cap = capacity
+        self._max_messages = max_messages
         self._wake = list(wake)
         self._signalled = [0] * readers
         self.pos = 0  # write cursor; > head while records are written but not published
@@ -101,9 +105,33 @@ class WriterCore(_Mapped):
         self.arrays: Any = None
         self._pickler: pickle.Pickler | None = None  # _own_dumps's, with its output
         self._pieces: list[Any] = []
+        # The slots to wait for; without one, a subclass's refresh_limits says.
+        self.gate: Gate | None = None
 
     def refresh_limits(self) -> tuple[int, int]:
-        raise NotImplementedError
+        """Re-read the tails of the readers the gate waits for, under its lock, and set the
+        limits from the slowest: returns (min tail, min count)."""
+        gate = self.gate
+        if gate is None:
+            raise NotImplementedError("refresh_limits needs a gate, or a subclass's own")
+        words = self._cwords
+        with gate.lock:
+            # From the published head, not the cursor: a reader attaching now starts there.
+            lo_pos, lo_count = self.head, self.head_count
+            for i, state in enumerate(gate.states):
+                if state in WAITED_FOR:
+                    t = words[self._r_tail[i]]
+                    c = words[self._r_count[i]]
+                    if t > self.head or c > self.head_count:
+                        raise CorruptedError(
+                            f"reader {i} claims position {t}/{c} beyond the head "
+                            f"{self.head}/{self.head_count}"
+                        )
+                    lo_pos = min(lo_pos, t)
+                    lo_count = min(lo_count, c)
+        self.limit_pos = lo_pos + self._cap
+        self.limit_count = lo_count + self._max_messages
+        return lo_pos, lo_count
 
     def span(self, size: int) -> int:
         """Bytes a record of ``size`` takes at the cursor: ``size``, or that and a PAD up to

@@ -59,6 +59,8 @@ typedef _Atomic uint64_t au64;
 
 static PyObject *CorruptedError; /* aioshmq._errors.CorruptedError */
 static PyObject *str_refresh_limits, *str_write_fd;
+static PyObject *str_lock, *str_states, *str_acquire, *str_release;
+static PyObject *waited_for; /* aioshmq._gate.WAITED_FOR: the slot states a writer waits for */
 static PyObject *dumps_kwnames; /* ("protocol", "buffer_callback") */
 static PyObject *five;
 static PyObject *pickle_dumps, *pickle_pickler, *namespace_type, *empty_bytes;
@@ -247,6 +249,7 @@ typedef struct {
     PyObject *found;       /* list the pickler's buffer_callback appends to */
     PyObject *found_append;
     PyObject *arrays;      /* the serializer's array pickles by (dtype, shape), or NULL */
+    PyObject *gate;        /* the _gate.Gate of the slots to wait for, or NULL / None */
     PyObject *pickler;     /* own_pickler's Pickler, or NULL until it is needed */
     PyObject *pickler_dump, *pickler_clear, *pieces; /* its dump, clear_memo and output */
     int in_dumps;
@@ -307,6 +310,7 @@ static int W_traverse(WriterCore *self, visitproc visit, void *arg) {
     Py_VISIT(self->found);
     Py_VISIT(self->found_append);
     Py_VISIT(self->arrays);
+    Py_VISIT(self->gate);
     Py_VISIT(self->pickler);
     Py_VISIT(self->pickler_dump);
     Py_VISIT(self->pickler_clear);
@@ -321,6 +325,7 @@ static int W_clear(WriterCore *self) {
     Py_CLEAR(self->found);
     Py_CLEAR(self->found_append);
     Py_CLEAR(self->arrays);
+    Py_CLEAR(self->gate);
     drop_pickler(self);
     Py_CLEAR(self->dict);
     return 0;
@@ -364,11 +369,101 @@ static int W_publish_(WriterCore *self) {
     return W_wake_readers(self);
 }
 
+/* The slowest waited-for reader's tail and count, read under the gate's lock (as the pure
+ * refresh_limits reads them), into ``*lo_pos`` and ``*lo_count``, and the limits set from
+ * them; -1 with an error set.  Called from C it spares a large put the Python call, whose
+ * code and objects the put's copy has just pushed out of the caches. */
+static int W_refresh_gate_(WriterCore *self, uint64_t *lo_pos, uint64_t *lo_count) {
+    PyObject *gate = Py_NewRef(self->gate), *states = NULL, *it = NULL, *state;
+    PyObject *lock = PyObject_GetAttr(gate, str_lock);
+    Py_DECREF(gate);
+    if (lock == NULL) return -1;
+    PyObject *r = PyObject_CallMethodNoArgs(lock, str_acquire); /* may wait, the GIL let go */
+    if (r == NULL) {
+        Py_DECREF(lock);
+        return -1;
+    }
+    Py_DECREF(r);
+    int failed = 0;
+    /* Read after the lock is held: a slot changes, and states may be replaced, only under it. */
+    gate = self->gate;
+    if (gate == NULL || gate == Py_None || mem_released(&self->m)) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_RuntimeError, "the writer's gate went away while it waited");
+        failed = 1;
+    } else {
+        states = PyObject_GetAttr(gate, str_states);
+        it = states == NULL ? NULL : PyObject_GetIter(states);
+        failed = it == NULL;
+    }
+    /* From the published head, not the cursor: a reader attaching now starts there. */
+    uint64_t pos = self->head, count = self->head_count;
+    Mem *m = &self->m;
+    for (uint64_t i = 0; !failed && (state = PyIter_Next(it)) != NULL; i++) {
+        int waited = PySequence_Contains(waited_for, state);
+        Py_DECREF(state);
+        if (waited < 0 || (waited && i >= m->readers)) {
+            if (waited > 0)
+                PyErr_Format(PyExc_IndexError, "slot %llu of a ring of %llu readers",
+                             (unsigned long long)i, (unsigned long long)m->readers);
+            failed = 1;
+            break;
+        }
+        if (!waited) continue;
+        uint64_t t = ld(rword(m, i, R_TAIL)), c = ld(rword(m, i, R_TAIL_COUNT));
+        if (t > self->head || c > self->head_count) {
+            PyErr_Format(CorruptedError, "reader %llu claims position %llu/%llu beyond the head "
+                         "%llu/%llu", (unsigned long long)i, (unsigned long long)t,
+                         (unsigned long long)c, self->head, self->head_count);
+            failed = 1;
+            break;
+        }
+        if (t < pos) pos = t;
+        if (c < count) count = c;
+    }
+    if (!failed && PyErr_Occurred()) failed = 1; /* the iteration's own error */
+    Py_XDECREF(it);
+    Py_XDECREF(states);
+    PyObject *type, *exc, *tb;
+    PyErr_Fetch(&type, &exc, &tb);
+    r = PyObject_CallMethodNoArgs(lock, str_release);
+    Py_DECREF(lock);
+    if (r == NULL) {
+        if (failed) PyErr_Clear(); /* the first error is the one to report */
+        failed = 1;
+    }
+    Py_XDECREF(r);
+    if (type != NULL) PyErr_Restore(type, exc, tb);
+    if (failed) return -1;
+    self->limit_pos = pos + m->cap;
+    self->limit_count = count + m->max_messages;
+    *lo_pos = pos;
+    *lo_count = count;
+    return 0;
+}
+
+/* The limits re-read: from the gate here, or by the subclass's refresh_limits without one. */
 static int W_refresh_(WriterCore *self) {
+    if (self->gate != NULL && self->gate != Py_None) {
+        uint64_t pos, count;
+        return W_refresh_gate_(self, &pos, &count);
+    }
     PyObject *r = PyObject_CallMethodNoArgs((PyObject *)self, str_refresh_limits);
     if (r == NULL) return -1;
     Py_DECREF(r);
     return mem_released(&self->m) ? -1 : 0;
+}
+
+static PyObject *W_refresh_limits(WriterCore *self, PyObject *unused) {
+    if (mem_released(&self->m)) return NULL;
+    if (self->gate == NULL || self->gate == Py_None) {
+        PyErr_SetString(PyExc_NotImplementedError,
+                        "refresh_limits needs a gate, or a subclass's own");
+        return NULL;
+    }
+    uint64_t pos, count;
+    if (W_refresh_gate_(self, &pos, &count) < 0) return NULL;
+    return Py_BuildValue("(KK)", (unsigned long long)pos, (unsigned long long)count);
 }
 
 /* Bytes a record of ``size`` takes at the cursor: ``size``, or that and a PAD up to the end
@@ -715,6 +810,9 @@ static PyObject *W_span(WriterCore *self, PyObject *arg) {
 }
 
 static PyMethodDef W_methods[] = {
+    {"refresh_limits", (PyCFunction)W_refresh_limits, METH_NOARGS,
+     "Re-read the tails of the readers the gate waits for, under its lock, and set the limits "
+     "from the slowest: returns (min tail, min count)."},
     {"put_plain", (PyCFunction)(void (*)(void))W_put_plain, METH_FASTCALL,
      "Write and publish one record without buffers if there is room now: the hot path."},
     {"put_buffer", (PyCFunction)(void (*)(void))W_put_buffer, METH_FASTCALL,
@@ -749,6 +847,8 @@ static PyMemberDef W_members[] = {
     U64RO(WriterCore, max_record, "largest record written whole"),
     {"dumps_failed", T_BOOL, offsetof(WriterCore, dumps_failed), 0,
      "the last put_object's error came from dumps"},
+    {"gate", T_OBJECT, offsetof(WriterCore, gate), 0,
+     "the slots to wait for; without one, a subclass's refresh_limits says"},
     {"arrays", T_OBJECT, offsetof(WriterCore, arrays), 0,
      "the stream pickles of numpy arrays by (dtype, shape), which put_object writes arrays with"},
     {"__weaklistoffset__", T_PYSSIZET, offsetof(WriterCore, weakreflist), READONLY},
@@ -1346,6 +1446,16 @@ static int module_exec(PyObject *mod) {
     CorruptedError = PyObject_GetAttrString(errors, "CorruptedError");
     Py_DECREF(errors);
     if (CorruptedError == NULL) return -1;
+    PyObject *gate_module = PyImport_ImportModule("aioshmq._gate");
+    if (gate_module == NULL) return -1;
+    waited_for = PyObject_GetAttrString(gate_module, "WAITED_FOR");
+    Py_DECREF(gate_module);
+    if (waited_for == NULL) return -1;
+    str_lock = PyUnicode_InternFromString("lock");
+    str_states = PyUnicode_InternFromString("states");
+    str_acquire = PyUnicode_InternFromString("acquire");
+    str_release = PyUnicode_InternFromString("release");
+    if (!str_lock || !str_states || !str_acquire || !str_release) return -1;
     str_refresh_limits = PyUnicode_InternFromString("refresh_limits");
     str_write_fd = PyUnicode_InternFromString("write_fd");
     dumps_kwnames = Py_BuildValue("(ss)", "protocol", "buffer_callback");

@@ -20,12 +20,13 @@ from ._broker import Broker, check_name
 from ._cancel import pending_checkpoint
 from ._end import End, deadline_of, in_event_loop
 from ._errors import Full, PeerDied, UndeliveredWarning, busy
+from ._gate import ATTACHED, DEAD, PENDING, Gate
 from ._handle import Handle
 from ._layout import Layout
 from ._log import log
 from ._notify import Notifier, NotifierKind, default_kind
 from ._reserve import Reservation
-from ._ring import ATTACHED, DEAD, PENDING, Frame, Gate, RingWriter
+from ._ring import Frame, RingWriter
 from ._segment import Segment
 from ._serialize import Buffer, PickleSerializer, SerializerSpec, resolve, unserializable
 from ._stuck import Stuck

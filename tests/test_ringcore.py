@@ -189,6 +189,132 @@ def test_both_cores_send_a_record_back_to_the_start_once_nothing_unread_is_in_it
     assert sides[0][1].pos > 60 * size  # the PADs took positions: each went back
 
 
+def _module(core: str) -> Any:
+    module = _ringcore if core == "pure" else _ringcore_c
+    if module is None:
+        pytest.skip("the compiled core is not built")
+    return module
+
+
+def _gated_writer(module: Any, mem: bytearray, layout: Layout, gate: Any) -> Any:
+    """A core of ``module`` with ``gate`` and no refresh_limits of its own, as RingWriter."""
+    w = module.WriterCore(
+        mem,
+        layout.data_offset,
+        layout.capacity,
+        layout.max_messages,
+        layout.readers,
+        [_Closed()] * layout.readers,
+    )
+    w.gate = gate
+    return w
+
+
+def _set_tail(mem: bytearray, layout: Layout, slot: int, tail: int, count: int) -> None:
+    words = memoryview(mem).cast("Q")
+    words[layout.reader_word(slot, L.R_TAIL)] = tail
+    words[layout.reader_word(slot, L.R_TAIL_COUNT)] = count
+
+
+@pytest.mark.parametrize("core", ["pure", "compiled"])
+def test_both_cores_wait_for_the_slowest_slot_the_gate_waits_for(core: str) -> None:
+    """The limits come from the slowest pending, attached or dead slot, never from a
+    detached or evicted one, and never from beyond the published head."""
+    from aioshmq._gate import ATTACHED, DEAD, DETACHED, EVICTED, PENDING, Gate
+
+    layout = Layout(8192, 50, 5)
+    mem = _memory(layout)
+    gate = Gate(5)
+    w = _gated_writer(_module(core), mem, layout, gate)
+    w.head, w.head_count = w.pos, w.count = 5000, 40
+    gate.states[:] = [ATTACHED, DETACHED, DEAD, EVICTED, PENDING]
+    for slot, (tail, count) in enumerate([(4000, 30), (100, 1), (3000, 35), (50, 2), (3500, 20)]):
+        _set_tail(mem, layout, slot, tail, count)
+    assert w.refresh_limits() == (3000, 20)  # the dead slot's tail, the pending one's count
+    assert (w.limit_pos, w.limit_count) == (3000 + 8192, 20 + 50)
+    gate.states[:] = [DETACHED] * 5  # nobody waited for: the published head bounds the room
+    assert w.refresh_limits() == (5000, 40)
+    gate.states[0] = ATTACHED
+    _set_tail(mem, layout, 0, 5008, 40)  # a tail past the head: a scribbled ring
+    with pytest.raises(CorruptedError, match="reader 0 claims position 5008/40"):
+        w.refresh_limits()
+    _set_tail(mem, layout, 0, 5000, 40)
+    assert w.refresh_limits() == (5000, 40)  # the lock was let go: the next call works
+
+
+@pytest.mark.parametrize("core", ["pure", "compiled"])
+def test_both_cores_read_the_gate_under_its_lock(core: str) -> None:
+    """The states are read only while the gate's lock is held, and the lock is let go even
+    when a tail is found corrupted: the broker attaches a slot under the same lock."""
+    from aioshmq._gate import ATTACHED
+
+    events: list[str] = []
+
+    class Lock:
+        def acquire(self) -> bool:
+            events.append("acquire")
+            return True
+
+        def release(self) -> None:
+            events.append("release")
+
+        def __enter__(self) -> bool:
+            return self.acquire()
+
+        def __exit__(self, *exc: object) -> None:
+            self.release()
+
+    class States(list[int]):
+        def __iter__(self) -> Any:
+            events.append("states")
+            return super().__iter__()
+
+    class FakeGate:
+        lock = Lock()
+        states = States([ATTACHED])
+
+    layout = Layout(8192, 50, 1)
+    mem = _memory(layout)
+    w = _gated_writer(_module(core), mem, layout, FakeGate())
+    w.head = w.pos = 160
+    _set_tail(mem, layout, 0, 32, 0)
+    assert w.refresh_limits() == (32, 0)
+    assert events == ["acquire", "states", "release"]
+    events.clear()
+    _set_tail(mem, layout, 0, 176, 0)
+    with pytest.raises(CorruptedError):
+        w.refresh_limits()
+    assert events == ["acquire", "states", "release"]
+
+
+@pytest.mark.parametrize("core", ["pure", "compiled"])
+def test_both_cores_find_room_a_reader_freed_through_the_gate(core: str) -> None:
+    """A write that finds no room by the limits it knows reads the tails afresh, through
+    the gate, and goes ahead once the reader has moved; a core without a gate asks its
+    subclass."""
+    from aioshmq._gate import ATTACHED, Gate
+
+    module = _module(core)
+    layout = Layout(4096, 100, 1)
+    mem = _memory(layout)
+    gate = Gate(1)
+    gate.states[0] = ATTACHED
+    w = _gated_writer(module, mem, layout, gate)
+    record = b"x" * 1000
+    while w.put_plain(record):
+        pass
+    full_at = w.pos
+    assert full_at >= 3 * record_size(len(record))
+    _set_tail(mem, layout, 0, record_size(len(record)), 1)  # the reader read one record
+    assert w.put_plain(record)
+    assert w.pos > full_at and w.limit_pos == record_size(len(record)) + 4096
+    bare = module.WriterCore(
+        mem, layout.data_offset, layout.capacity, layout.max_messages, 1, [_Closed()]
+    )
+    with pytest.raises(NotImplementedError):
+        bare.refresh_limits()
+
+
 @pytest.mark.parametrize("core", ["pure", "compiled"])
 @pytest.mark.parametrize(("main_len", "buf_len"), [(0, 0), (1, 1), (100, 3000), (8, 1000)])
 def test_put_buffer_lays_out_a_message_as_a_frame_does(
