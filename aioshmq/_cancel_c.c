@@ -606,7 +606,8 @@ static PyObject *setup_sync(PyObject *module, PyObject *args) {
  * (Writer._put_rest), and hands that coroutine every later send, throw and close.  What
  * costs the pure method most, making and running a Python frame, is what it spares. */
 
-static PyObject *s_next_yield, *s_put_rest, *s_throw, *s_close;
+static PyObject *s_next_yield, *s_put_rest, *s_throw, *s_close, *s_yield_interval;
+static PyObject *end_globals; /* aioshmq._end's namespace: YIELD_INTERVAL, read at each pace */
 static Field f_next_yield = {NULL, 0, &s_next_yield};
 static PyObject *pure_aput, *pure_aget; /* the pure coroutine functions */
 static PyObject *aput_doc, *aget_doc;
@@ -620,14 +621,17 @@ static double monotonic_now(void) {
     return (double)ns / 1e9;
 }
 
-/* Whether the pure method's first step would pace (1, or if its state is not as expected)
- * or not (0), with ``*cancelled`` set to what it would await first for a pending
- * cancellation (a new reference) or NULL; -1 on error. */
-static int pace_due(PyObject *end, PyObject **cancelled) {
+/* Whether the pure method's first step would pace: 2 if it would (``*now`` the clock it
+ * read), 1 if the pure method is to say (the state is not as expected), 0 if not, with
+ * ``*cancelled`` then set to what it would await first for a pending cancellation (a new
+ * reference) or NULL; -1 on error. */
+static int pace_due(PyObject *end, PyObject **cancelled, double *now) {
     *cancelled = NULL;
     PyObject *next = slot(end, &f_next_yield);
-    if (next == NULL || !PyFloat_CheckExact(next) || monotonic_now() >= PyFloat_AS_DOUBLE(next))
+    if (next == NULL || !PyFloat_CheckExact(next) || checkpoint == NULL || end_globals == NULL)
         return 1;
+    *now = monotonic_now();
+    if (*now >= PyFloat_AS_DOUBLE(next)) return 2;
     PyObject *c = pending_checkpoint(NULL, NULL);
     if (c == NULL) return -1;
     if (c == Py_None)
@@ -637,13 +641,31 @@ static int pace_due(PyObject *end, PyObject **cancelled) {
     return 0;
 }
 
+/* The pace's checkpoint begun at ``at`` passed: the next one is due YIELD_INTERVAL later, as
+ * the pure method's _pace sets it.  0, or -1 with an error set. */
+static int pace_passed(PyObject *end, double at) {
+    PyObject *interval = PyDict_GetItemWithError(end_globals, s_yield_interval); /* borrowed */
+    if (interval == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "YIELD_INTERVAL is gone");
+        return -1;
+    }
+    double dt = PyFloat_AsDouble(interval);
+    if (dt == -1.0 && PyErr_Occurred()) return -1;
+    PyObject *next = PyFloat_FromDouble(at + dt);
+    if (next == NULL) return -1;
+    int r = PyObject_SetAttr(end, s_next_yield, next);
+    Py_DECREF(next);
+    return r;
+}
+
 enum { DONE, FAILED, GO_ON, CHECKPOINT };
 
 /* One step of put (``obj`` not NULL) or get, once the checkpoint it awaits first (if any) is
  * behind it (``checked``): DONE with ``*out`` the value it returns, FAILED with an error set,
  * GO_ON with ``*out`` the coroutine it goes on as, or CHECKPOINT with ``*out`` the coroutine
- * of the checkpoint to await before the next step. */
-static int step(PyObject *end, PyObject *obj, int checked, PyObject **out) {
+ * of the checkpoint to await before the next step: a pending cancellation's, or the pace's
+ * (``*paced`` then the clock it read, for pace_passed once it is behind). */
+static int step(PyObject *end, PyObject *obj, int checked, PyObject **out, double *paced) {
     PyObject *ring, *x;
     int ready = 1;
     if (!checked) {
@@ -653,11 +675,17 @@ static int step(PyObject *end, PyObject *obj, int checked, PyObject **out) {
         if (closed < 0) PyErr_Clear();
         ready = closed == 0;
         PyObject *cancelled = NULL;
-        int due = ready ? pace_due(end, &cancelled) : 1;
+        double now = 0.0;
+        int due = ready ? pace_due(end, &cancelled, &now) : 1;
         if (due < 0) return FAILED;
         if (cancelled != NULL) {
             *out = PyObject_CallNoArgs(cancelled);
             Py_DECREF(cancelled);
+            return *out == NULL ? FAILED : CHECKPOINT;
+        }
+        if (due == 2) { /* the pure method's _pace: the loop runs once, then this goes on */
+            *out = PyObject_CallNoArgs(checkpoint);
+            *paced = now;
             return *out == NULL ? FAILED : CHECKPOINT;
         }
         ready = !due;
@@ -694,6 +722,7 @@ typedef struct {
     PyObject *obj;   /* what put sends; NULL for get */
     PyObject *inner; /* the coroutine it awaits: a checkpoint, or the one it goes on as */
     int state;       /* 0: not started, 1: going on as inner, 2: finished, 3: checkpoint */
+    double paced;    /* the checkpoint is the pace's, begun at this clock (0: it is not) */
 } Call;
 
 static PyTypeObject CallType;
@@ -709,7 +738,8 @@ static PySendResult call_send(Call *self, PyObject *arg, PyObject **result);
 /* Take the step that comes once the call's checkpoint is behind it (checked) or first. */
 static PySendResult call_step(Call *self, int checked, PyObject **result) {
     PyObject *out = NULL;
-    int r = step(self->end, self->obj, checked, &out);
+    self->paced = 0.0;
+    int r = step(self->end, self->obj, checked, &out, &self->paced);
     if (r == DONE || r == FAILED) {
         call_finish(self);
         *result = out;
@@ -728,6 +758,10 @@ static PySendResult call_send(Call *self, PyObject *arg, PyObject **result) {
         if (self->state == 3 && r == PYGEN_RETURN) { /* the checkpoint passed: go on */
             Py_CLEAR(*result);
             Py_CLEAR(self->inner);
+            if (self->paced != 0.0 && pace_passed(self->end, self->paced) < 0) {
+                call_finish(self);
+                return PYGEN_ERROR;
+            }
             return call_step(self, 1, result);
         }
         call_finish(self);
@@ -792,6 +826,10 @@ static PyObject *call_throw(Call *self, PyObject *const *args, Py_ssize_t nargs)
         if (self->state == 3 && PyErr_ExceptionMatches(PyExc_StopIteration)) {
             PyErr_Clear(); /* the checkpoint took the exception and passed: go on */
             Py_CLEAR(self->inner);
+            if (self->paced != 0.0 && pace_passed(self->end, self->paced) < 0) {
+                call_finish(self);
+                return NULL;
+            }
             PyObject *result;
             return call_result(call_step(self, 1, &result), result);
         }
@@ -906,6 +944,7 @@ static PyObject *new_call(PyObject *end, PyObject *obj) {
     self->obj = Py_XNewRef(obj);
     self->inner = NULL;
     self->state = 0;
+    self->paced = 0.0;
     PyObject_GC_Track(self);
     return (PyObject *)self;
 }
@@ -936,6 +975,12 @@ static PyObject *setup_async(PyObject *module, PyObject *args) {
     }
     if (find_own_slot(end_t, &f_next_yield) < 0) return NULL;
     know_ends(&f_next_yield);
+    PyObject *end_module = PyImport_ImportModule("aioshmq._end");
+    if (end_module == NULL) return NULL;
+    PyObject *globals = PyModule_GetDict(end_module); /* borrowed: the module keeps it */
+    Py_XSETREF(end_globals, Py_XNewRef(globals));
+    Py_DECREF(end_module);
+    if (end_globals == NULL) return NULL;
     if (make_doc(&aput_def, &aput_doc, "put($self, /, obj)", a_put) < 0
         || make_doc(&aget_def, &aget_doc, "get($self, /)", a_get) < 0)
         return NULL;
@@ -1006,7 +1051,7 @@ PyMODINIT_FUNC PyInit__cancel_c(void) {
                  {&s_put_failed, "_put_failed"}, {&s_put_sync_rest, "_put_sync_rest"},
                  {&s_closed_error, "_closed_error"}, {&s_next_yield, "_next_yield"},
                  {&s_put_rest, "_put_rest"},   {&s_throw, "throw"},
-                 {&s_close, "close"}};
+                 {&s_close, "close"},          {&s_yield_interval, "YIELD_INTERVAL"}};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         *names[i].s = PyUnicode_InternFromString(names[i].text);
         if (*names[i].s == NULL) return NULL;

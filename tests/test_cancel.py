@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
 import pytest
+import sniffio
 
 import aioshmq
 from aioshmq import _cancel
@@ -496,14 +498,38 @@ async def test_the_compiled_put_and_get_answer_as_the_pure_ones() -> None:
             assert scope.cancelled_caught
             assert await r.get() == ("kept", 0)
         assert w.statistics().messages_put == sent + 2
-        # Pacing due: both let the loop run first, then go on.
+        # Pacing due: both let the loop run first, then go on, and the next pace is due
+        # YIELD_INTERVAL after the clock they read; a pace whose checkpoint raised leaves it
+        # due, and nothing is put or taken.
+        from aioshmq._end import YIELD_INTERVAL
+
+        ran: list[str] = []
+
+        async def other() -> None:
+            ran.append("other")
+
+        fifo = sniffio.current_async_library() == "asyncio"  # trio shuffles its run batch
         for put, get in zip(puts, gets, strict=True):
-            w._next_yield = 0.0
-            await put(("paced", 1))
-            assert w._next_yield > 0.0
-            r._next_yield = 0.0
-            assert await get() == ("paced", 1)
-            assert r._next_yield > 0.0
+            for end, call, want in (
+                (w, functools.partial(put, ("paced", 1)), None),
+                (r, get, ("paced", 1)),
+            ):
+                end._next_yield = 0.0
+                ran.clear()
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(other)
+                    before = time.monotonic()
+                    assert await call() == want
+                    if fifo:
+                        assert ran == ["other"]  # the loop ran the other task first
+                after = time.monotonic()
+                assert before + YIELD_INTERVAL <= end._next_yield <= after + YIELD_INTERVAL
+                end._next_yield = 0.0
+                with anyio.CancelScope() as scope:
+                    scope.cancel()
+                    await call()
+                assert scope.cancelled_caught and end._next_yield == 0.0
+        assert r.statistics().messages_received == w.statistics().messages_put
         w._lock.held = r._lock.held = True
         try:
             assert await both(puts, 5) == [("waited",)] * 2
