@@ -410,6 +410,10 @@ static int W_refresh_gate_(WriterCore *self, uint64_t *lo_pos, uint64_t *lo_coun
             break;
         }
         if (!waited) continue;
+        if (mem_released(m)) { /* let go by the Python code the states may have run */
+            failed = 1;
+            break;
+        }
         uint64_t t = ld(rword(m, i, R_TAIL)), c = ld(rword(m, i, R_TAIL_COUNT));
         if (t > self->head || c > self->head_count) {
             PyErr_Format(CorruptedError, "reader %llu claims position %llu/%llu beyond the head "

@@ -288,6 +288,29 @@ def test_both_cores_read_the_gate_under_its_lock(core: str) -> None:
 
 
 @pytest.mark.parametrize("core", ["pure", "compiled"])
+def test_a_core_released_while_it_reads_the_gate_reads_no_more(core: str) -> None:
+    """Python code run by the gate's states (here, an iterator that lets the memory go) may
+    release the core midway: the next tail is not read, the call raises, the lock is free."""
+    from aioshmq._gate import ATTACHED, Gate
+
+    layout = Layout(8192, 50, 2)
+    mem = _memory(layout)
+    gate = Gate(2)
+    w = _gated_writer(_module(core), mem, layout, gate)
+
+    class States(list[int]):
+        def __iter__(self) -> Any:
+            yield ATTACHED
+            w.release()
+            yield ATTACHED
+
+    gate.states = States([ATTACHED, ATTACHED])
+    with pytest.raises(ValueError, match="released"):
+        w.refresh_limits()
+    assert not gate.lock.locked()
+
+
+@pytest.mark.parametrize("core", ["pure", "compiled"])
 def test_both_cores_find_room_a_reader_freed_through_the_gate(core: str) -> None:
     """A write that finds no room by the limits it knows reads the tails afresh, through
     the gate, and goes ahead once the reader has moved; a core without a gate asks its
