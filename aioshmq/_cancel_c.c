@@ -750,6 +750,18 @@ static PySendResult call_step(Call *self, int checked, PyObject **result) {
     return call_send(self, Py_None, result);
 }
 
+/* The checkpoint the call awaited passed: the next pace is set if it was the pace's, then
+ * the step that follows it is taken. */
+static PySendResult call_passed(Call *self, PyObject **result) {
+    Py_CLEAR(self->inner);
+    if (self->paced != 0.0 && pace_passed(self->end, self->paced) < 0) {
+        call_finish(self);
+        *result = NULL;
+        return PYGEN_ERROR;
+    }
+    return call_step(self, 1, result);
+}
+
 static PySendResult call_send(Call *self, PyObject *arg, PyObject **result) {
     *result = NULL;
     if (self->state == 1 || self->state == 3) {
@@ -757,12 +769,7 @@ static PySendResult call_send(Call *self, PyObject *arg, PyObject **result) {
         if (r == PYGEN_NEXT) return r;
         if (self->state == 3 && r == PYGEN_RETURN) { /* the checkpoint passed: go on */
             Py_CLEAR(*result);
-            Py_CLEAR(self->inner);
-            if (self->paced != 0.0 && pace_passed(self->end, self->paced) < 0) {
-                call_finish(self);
-                return PYGEN_ERROR;
-            }
-            return call_step(self, 1, result);
+            return call_passed(self, result);
         }
         call_finish(self);
         return r;
@@ -825,13 +832,8 @@ static PyObject *call_throw(Call *self, PyObject *const *args, Py_ssize_t nargs)
         if (r != NULL) return r;
         if (self->state == 3 && PyErr_ExceptionMatches(PyExc_StopIteration)) {
             PyErr_Clear(); /* the checkpoint took the exception and passed: go on */
-            Py_CLEAR(self->inner);
-            if (self->paced != 0.0 && pace_passed(self->end, self->paced) < 0) {
-                call_finish(self);
-                return NULL;
-            }
             PyObject *result;
-            return call_result(call_step(self, 1, &result), result);
+            return call_result(call_passed(self, &result), result);
         }
         call_finish(self);
         return NULL;
