@@ -46,7 +46,12 @@ FLAGS = [
 
 setup(
     ext_modules=[
-        Extension("aioshmq._ringcore_c", ["aioshmq/_ringcore_c.c"], extra_compile_args=FLAGS),
+        Extension(
+            "aioshmq._ringcore_c",
+            ["aioshmq/_ringcore_c.c", "aioshmq/_plainpickle.c"],
+            depends=["aioshmq/_plainpickle.h"],
+            extra_compile_args=FLAGS,
+        ),
         Extension("aioshmq._cancel_c", ["aioshmq/_cancel_c.c"], extra_compile_args=FLAGS),
     ],
     cmdclass={"build_ext": OptionalBuildExt},

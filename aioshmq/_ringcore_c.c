@@ -21,6 +21,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "_plainpickle.h"
+
 #if ATOMIC_LLONG_LOCK_FREE != 2
 #error "aioshmq needs lock-free 64-bit atomics"
 #endif
@@ -252,6 +254,7 @@ typedef struct {
     PyObject *gate;        /* the _gate.Gate of the slots to wait for, or NULL / None */
     PyObject *pickler;     /* own_pickler's Pickler, or NULL until it is needed */
     PyObject *pickler_dump, *pickler_clear, *pieces; /* its dump, clear_memo and output */
+    PlainPickler plain;    /* pickles plain values in place of pickle.dumps */
     int in_dumps;
     char dumps_failed;     /* the last put_object's error came from dumps */
     PyObject *weakreflist;
@@ -339,6 +342,7 @@ static void W_dealloc(WriterCore *self) {
     mem_drop(&self->m);
     PyMem_Free(self->wake_eventfd);
     PyMem_Free(self->signalled);
+    plain_free(&self->plain);
     PyTypeObject *tp = Py_TYPE(self);
     tp->tp_free((PyObject *)self);
     Py_DECREF(tp);
@@ -708,6 +712,22 @@ static PyObject *own_dumps(WriterCore *self, PyObject *obj) {
     return main;
 }
 
+/* put_object's way with the pickle plain_dump wrote: None if written now, else
+ * (main, []).  Nothing that runs before the copy puts (the claim is not reentrant). */
+static PyObject *W_put_plain_pickle_(WriterCore *self, uint64_t messages) {
+    const uint8_t *src = self->plain.buf;
+    uint64_t n = (uint64_t)self->plain.len;
+    int r = W_put_plain_(self, src, n, messages > 1 ? MSG | BATCH : MSG, messages);
+    if (r < 0) return NULL;
+    if (r) Py_RETURN_NONE;
+    PyObject *main = PyBytes_FromStringAndSize((const char *)src, (Py_ssize_t)n);
+    PyObject *none = main == NULL ? NULL : PyList_New(0);
+    PyObject *result = none == NULL ? NULL : PyTuple_Pack(2, main, none);
+    Py_XDECREF(none);
+    Py_XDECREF(main);
+    return result;
+}
+
 /* put_object(obj, dumps): pickle ``obj`` with ``dumps`` (pickle's signature) and, if that
  * gives one plain record with room for it now, write and publish it: None.  Otherwise
  * nothing is written and it returns what the caller needs to go on: () for a numpy array
@@ -729,6 +749,15 @@ static PyObject *W_put_object(WriterCore *self, PyObject *const *args, Py_ssize_
     PyObject *obj = args[0];
     if (strcmp(Py_TYPE(obj)->tp_name, "numpy.ndarray") == 0)
         return messages == 1 ? W_put_array_(self, obj) : PyTuple_New(0);
+    int own = !self->in_dumps && args[1] == pickle_dumps;
+    if (own) {
+        int plain = plain_dump(&self->plain, obj);
+        if (plain < 0) {
+            self->dumps_failed = 1;
+            return NULL;
+        }
+        if (plain == PLAIN_DONE) return W_put_plain_pickle_(self, messages);
+    }
     PyObject *found, *append;
     if (self->in_dumps) { /* a __reduce__ that puts: never share the buffer list */
         found = PyList_New(0);
@@ -743,14 +772,14 @@ static PyObject *W_put_object(WriterCore *self, PyObject *const *args, Py_ssize_
         append = Py_NewRef(self->found_append);
     }
     PyObject *call[3] = {obj, five, append};
-    int own = !self->in_dumps && args[1] == pickle_dumps;
     if (own && own_pickler(self) < 0) {
         Py_DECREF(found);
         Py_DECREF(append);
         return NULL;
     }
     self->in_dumps++;
-    PyObject *main = own ? own_dumps(self, obj) : PyObject_Vectorcall(args[1], call, 1, dumps_kwnames);
+    PyObject *main =
+        own ? own_dumps(self, obj) : PyObject_Vectorcall(args[1], call, 1, dumps_kwnames);
     self->in_dumps--;
     Py_DECREF(append);
     PyObject *result = NULL;
@@ -1430,7 +1459,21 @@ static PyObject *py_acquire(PyObject *mod, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+/* plain_pickle(obj): plain_dump's pickle of ``obj`` as bytes, or None if it is not plain. */
+static PyObject *py_plain_pickle(PyObject *mod, PyObject *obj) {
+    PlainPickler p = {0};
+    int r = plain_dump(&p, obj);
+    PyObject *result = r < 0 ? NULL
+                       : r == PLAIN_DONE ? PyBytes_FromStringAndSize((const char *)p.buf, p.len)
+                                         : Py_NewRef(Py_None);
+    plain_free(&p);
+    return result;
+}
+
 static PyMethodDef module_methods[] = {
+    {"plain_pickle", py_plain_pickle, METH_O,
+     "pickle.dumps(obj, protocol=5) as the writer's put_object writes plain values; None if "
+     "obj is not plain."},
     {"fence", py_fence, METH_NOARGS, "Full memory barrier (seq_cst)."},
     {"release", py_release, METH_NOARGS, "Release fence: earlier accesses before later stores."},
     {"acquire", py_acquire, METH_NOARGS, "Acquire fence: earlier loads before later accesses."},

@@ -826,12 +826,26 @@ def test_put_object_pickles_as_pickle_dumps_does_and_keeps_nothing_of_the_object
 
 @needs_compiled
 def test_both_cores_pickle_to_the_same_bytes() -> None:
-    layout = Layout(1 << 20, 64, 1)
+    """The compiled core writes plain values itself (aioshmq/_plainpickle.c) and leaves the
+    rest to pickle; the pure core pickles everything: the rings come out the same."""
+    from aioshmq._bench._workload import small_object, small_objects
+
+    layout = Layout(1 << 20, 256, 1)
+    word = "shared"
     rings = []
     for module in (_ringcore, _ringcore_c):
         mem = _memory(layout)
         w = _writer(module, mem, layout)
-        for obj in (("a", 1), [b"z" * (70 << 10), {"k": "v"}], bytearray(b"q" * 100), ("b", 2)):
+        for obj in (
+            ("a", 1),
+            small_object(7),
+            [word, (word, 2**40), {word: [word, -1.5, None, True]}],
+            [b"z" * (70 << 10), {"k": "v"}],
+            bytearray(b"q" * 100),
+            {"not plain": frozenset({1})},
+            ("b", 2),
+        ):
             assert w.put_object(obj, pickle.dumps) is None
+        assert w.put_object(small_objects(0, 64), pickle.dumps, 64) is None
         rings.append(mem)
     assert rings[0] == rings[1]

@@ -3,11 +3,12 @@
 #
 #     tools/fuzz_sanitized.sh [EXAMPLES]      (default 20000 examples per fuzz test)
 #
-# Builds aioshmq/_ringcore_c.c with -fsanitize=address,undefined into a scratch copy of the
-# package (the checkout is not touched), then runs tests/test_ringcore.py there with the
-# sanitizer runtime preloaded.  Any read outside a ring (the fuzz puts rings on the heap, where
-# ASan sees overruns), any undefined behaviour (an unaligned or overflowing access) aborts the
-# run.  Not part of CI: it takes minutes.
+# Builds aioshmq/_ringcore_c.c and _plainpickle.c with -fsanitize=address,undefined into a
+# scratch copy of the package (the checkout is not touched), then runs tests/test_ringcore.py
+# and tests/test_plainpickle.py there with the sanitizer runtime preloaded.  Any read outside
+# a ring (the fuzz puts rings on the heap, where ASan sees overruns) or a pickle's buffer, any
+# undefined behaviour (an unaligned or overflowing access) aborts the run.  Not part of CI: it
+# takes minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 examples="${1:-20000}"
@@ -33,4 +34,4 @@ export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1"  # CPython's own allocatio
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 export AIOSHMQ_FUZZ_EXAMPLES="$examples"
 "$python" -c 'import aioshmq, aioshmq._ringcore_c as c; assert aioshmq.CORE == "compiled"; print("sanitized core:", c.__file__)'
-"$python" -m pytest -q -p no:cacheprovider tests/test_ringcore.py -k "not share_a_ring"
+"$python" -m pytest -q -p no:cacheprovider tests/test_ringcore.py tests/test_plainpickle.py -k "not share_a_ring"
