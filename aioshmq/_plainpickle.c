@@ -122,25 +122,23 @@ static int memo_grow(P *p) {
     return 0;
 }
 
-/* Records ``key`` at ``index`` (-1: a tuple in progress), or updates it. */
-static int memo_set(P *p, PyObject *key, Py_ssize_t index) {
-    PlainMemoEntry *e = memo_slot(p, key);
-    if (e->gen != p->gen) {
-        if ((p->memo_used + 1) * 2 > ((size_t)1 << p->memo_bits)) {
-            if (memo_grow(p) < 0) return -1;
-            e = memo_slot(p, key);
-        }
-        p->memo_used++;
-        e->gen = p->gen;
-        e->key = key;
+/* Records ``key`` at ``index`` (-1: a tuple in progress) in ``e``, the free entry memo_slot
+ * gave for it with nothing recorded since. */
+static int memo_put_at(P *p, PlainMemoEntry *e, PyObject *key, Py_ssize_t index) {
+    if ((p->memo_used + 1) * 2 > ((size_t)1 << p->memo_bits)) {
+        if (memo_grow(p) < 0) return -1;
+        e = memo_slot(p, key);
     }
+    p->memo_used++;
+    e->gen = p->gen;
+    e->key = key;
     e->index = index;
     return 0;
 }
 
-/* memo_put: the next index to ``key``, and MEMOIZE. */
-static int memoize(P *p, PyObject *key) {
-    if (memo_set(p, key, p->memo_next++) < 0) return -1;
+/* memo_put: ``key``, met for the first time, gets the next index; MEMOIZE. */
+static int memoize(P *p, PlainMemoEntry *e, PyObject *key) {
+    if (memo_put_at(p, e, key, p->memo_next++) < 0) return -1;
     return put1(p, MEMOIZE);
 }
 
@@ -208,8 +206,8 @@ static int save_float(P *p, PyObject *obj) {
 }
 
 /* str and bytes: a header of the SHORT_ form (one length byte) or the long one (four). */
-static int save_data(P *p, PyObject *obj, unsigned char short_op, unsigned char long_op,
-                     const char *data, Py_ssize_t n) {
+static int save_data(P *p, PlainMemoEntry *e, PyObject *obj, unsigned char short_op,
+                     unsigned char long_op, const char *data, Py_ssize_t n) {
     unsigned char d[5];
     int r;
     if (n <= 0xff) {
@@ -223,34 +221,38 @@ static int save_data(P *p, PyObject *obj, unsigned char short_op, unsigned char 
         r = put(p, d, 5);
     }
     if (r == PLAIN_DONE) r = put(p, data, n);
-    return r == PLAIN_DONE ? memoize(p, obj) : r;
+    return r == PLAIN_DONE ? memoize(p, e, obj) : r;
 }
 
-static int save_str(P *p, PyObject *obj) {
+static int save_str(P *p, PlainMemoEntry *e, PyObject *obj) {
     Py_ssize_t n;
-    const char *data = PyUnicode_AsUTF8AndSize(obj, &n);
-    if (data == NULL) { /* lone surrogates: _pickle's "surrogatepass" is left to it */
-        PyErr_Clear();
+    const char *data;
+    if (PyUnicode_IS_COMPACT_ASCII(obj)) { /* its UTF-8 is its own bytes */
+        data = (const char *)PyUnicode_DATA(obj);
+        n = PyUnicode_GET_LENGTH(obj);
+    } else if ((data = PyUnicode_AsUTF8AndSize(obj, &n)) == NULL) {
+        PyErr_Clear(); /* lone surrogates: _pickle's "surrogatepass" is left to it */
         return PLAIN_NOT;
     }
-    return save_data(p, obj, SHORT_BINUNICODE, BINUNICODE, data, n);
+    return save_data(p, e, obj, SHORT_BINUNICODE, BINUNICODE, data, n);
 }
 
-static int save_tuple(P *p, PyObject *obj, int depth) {
+static int save_tuple(P *p, PlainMemoEntry *e, PyObject *obj, int depth) {
     Py_ssize_t n = PyTuple_GET_SIZE(obj);
     if (n == 0) return put1(p, EMPTY_TUPLE);
     int r;
-    if (memo_set(p, obj, -1) < 0) return -1;
+    if (memo_put_at(p, e, obj, -1) < 0) return -1;
     if (n > 3 && (r = put1(p, MARK)) != PLAIN_DONE) return r;
     for (Py_ssize_t i = 0; i < n; i++)
         if ((r = save(p, PyTuple_GET_ITEM(obj, i), depth + 1)) != PLAIN_DONE) return r;
     if ((r = put1(p, n > 3 ? TUPLE : (unsigned char)(TUPLE1 + n - 1))) != PLAIN_DONE) return r;
-    return memoize(p, obj);
+    memo_slot(p, obj)->index = p->memo_next++; /* in the memo since its items began */
+    return put1(p, MEMOIZE);
 }
 
-static int save_list(P *p, PyObject *obj, int depth) {
+static int save_list(P *p, PlainMemoEntry *e, PyObject *obj, int depth) {
     int r;
-    if ((r = put1(p, EMPTY_LIST)) != PLAIN_DONE || (r = memoize(p, obj)) != PLAIN_DONE)
+    if ((r = put1(p, EMPTY_LIST)) != PLAIN_DONE || (r = memoize(p, e, obj)) != PLAIN_DONE)
         return r;
     Py_ssize_t n = PyList_GET_SIZE(obj);
     if (n == 0) return PLAIN_DONE;
@@ -267,9 +269,9 @@ static int save_list(P *p, PyObject *obj, int depth) {
     return PLAIN_DONE;
 }
 
-static int save_dict(P *p, PyObject *obj, int depth) {
+static int save_dict(P *p, PlainMemoEntry *e, PyObject *obj, int depth) {
     int r;
-    if ((r = put1(p, EMPTY_DICT)) != PLAIN_DONE || (r = memoize(p, obj)) != PLAIN_DONE)
+    if ((r = put1(p, EMPTY_DICT)) != PLAIN_DONE || (r = memoize(p, e, obj)) != PLAIN_DONE)
         return r;
     Py_ssize_t n = PyDict_GET_SIZE(obj), pos = 0, batch;
     PyObject *key, *value;
@@ -304,14 +306,14 @@ static int save(P *p, PyObject *obj, int depth) {
         return PLAIN_NOT;
     PlainMemoEntry *e = memo_slot(p, obj);
     if (e->gen == p->gen) return e->index < 0 ? PLAIN_NOT : memo_get(p, e->index);
-    if (t == &PyUnicode_Type) return save_str(p, obj);
+    if (t == &PyUnicode_Type) return save_str(p, e, obj);
     if (t == &PyBytes_Type)
-        return save_data(p, obj, SHORT_BINBYTES, BINBYTES, PyBytes_AS_STRING(obj),
+        return save_data(p, e, obj, SHORT_BINBYTES, BINBYTES, PyBytes_AS_STRING(obj),
                          PyBytes_GET_SIZE(obj));
     if (depth >= DEPTH_MAX) return PLAIN_NOT;
-    if (t == &PyTuple_Type) return save_tuple(p, obj, depth);
-    if (t == &PyList_Type) return save_list(p, obj, depth);
-    return save_dict(p, obj, depth);
+    if (t == &PyTuple_Type) return save_tuple(p, e, obj, depth);
+    if (t == &PyList_Type) return save_list(p, e, obj, depth);
+    return save_dict(p, e, obj, depth);
 }
 
 /* -- the pickler ------------------------------------------------------------------------------ */

@@ -66,7 +66,7 @@ static PyObject *waited_for; /* aioshmq._gate.WAITED_FOR: the slot states a writ
 static PyObject *dumps_kwnames; /* ("protocol", "buffer_callback") */
 static PyObject *five;
 static PyObject *pickle_dumps, *pickle_pickler, *namespace_type, *empty_bytes;
-static PyObject *str_dtype, *str_shape, *str_isbuiltin;
+static PyObject *str_dtype, *str_shape, *str_isbuiltin, *str_plain_as_pickle;
 static PyObject *pickle_loads; /* pickle.loads, which mem_load hands the core itself */
 
 static inline uint64_t ld(const uint64_t *p) {
@@ -712,6 +712,27 @@ static PyObject *own_dumps(WriterCore *self, PyObject *obj) {
     return main;
 }
 
+/* Whether ``dumps`` writes plain values as pickle.dumps does: pickle.dumps itself, or a
+ * callable whose type says so with a true ``plain_as_pickle`` (a Pickler with a dispatch
+ * table or a reducer_override: _pickle consults neither for exact builtin types).  The
+ * last type asked about is remembered; a type's attribute is read once. */
+static PyTypeObject *asked_type;
+static int asked_answer;
+
+static int plain_as_pickle(PyObject *dumps) {
+    if (dumps == pickle_dumps) return 1;
+    PyTypeObject *t = Py_TYPE(dumps);
+    if (t == asked_type) return asked_answer;
+    PyObject *flag = PyObject_GetAttr((PyObject *)t, str_plain_as_pickle);
+    int answer = flag != NULL && flag == Py_True;
+    Py_XDECREF(flag);
+    PyErr_Clear();
+    Py_INCREF(t);
+    Py_XSETREF(asked_type, t);
+    asked_answer = answer;
+    return answer;
+}
+
 /* put_object's way with the pickle plain_dump wrote: None if written now, else
  * (main, []).  Nothing that runs before the copy puts (the claim is not reentrant). */
 static PyObject *W_put_plain_pickle_(WriterCore *self, uint64_t messages) {
@@ -750,7 +771,7 @@ static PyObject *W_put_object(WriterCore *self, PyObject *const *args, Py_ssize_
     if (strcmp(Py_TYPE(obj)->tp_name, "numpy.ndarray") == 0)
         return messages == 1 ? W_put_array_(self, obj) : PyTuple_New(0);
     int own = !self->in_dumps && args[1] == pickle_dumps;
-    if (own) {
+    if (!self->in_dumps && plain_as_pickle(args[1])) {
         int plain = plain_dump(&self->plain, obj);
         if (plain < 0) {
             self->dumps_failed = 1;
@@ -1510,6 +1531,7 @@ static int module_exec(PyObject *mod) {
     str_dtype = PyUnicode_InternFromString("dtype");
     str_shape = PyUnicode_InternFromString("shape");
     str_isbuiltin = PyUnicode_InternFromString("isbuiltin");
+    str_plain_as_pickle = PyUnicode_InternFromString("plain_as_pickle");
     PyObject *pickle = PyImport_ImportModule("pickle");
     if (pickle == NULL) return -1;
     pickle_loads = PyObject_GetAttrString(pickle, "loads");
@@ -1522,6 +1544,7 @@ static int module_exec(PyObject *mod) {
     Py_DECREF(types);
     empty_bytes = PyBytes_FromStringAndSize(NULL, 0);
     if (!str_refresh_limits || !str_write_fd || !dumps_kwnames || !five || !pickle_loads
+        || !str_plain_as_pickle
         || !pickle_dumps || !pickle_pickler || !namespace_type || !empty_bytes)
         return -1;
     PyObject *w = PyType_FromModuleAndSpec(mod, &W_spec, NULL);

@@ -86,6 +86,11 @@ class _Reducing:
     """``pickle.dumps(obj, protocol=5, buffer_callback=...)`` with a dispatch table, on one
     Pickler reused from call to call (as fast as ``pickle.dumps`` itself, measured)."""
 
+    # Plain values (exact None, bool, int, float, str, bytes, tuple, list, dict) come out as
+    # pickle.dumps writes them: _pickle consults no dispatch table or reducer_override for
+    # those, so the compiled writer may pickle them itself (aioshmq/_plainpickle.c).
+    plain_as_pickle = True
+
     def __init__(self, pickler: type[pickle.Pickler], table: _Table) -> None:
         # The C Pickler reads ``dispatch_table`` once, at init, from its class or instance;
         # cloudpickle's class attribute shadows the instance slot, so the table goes on a

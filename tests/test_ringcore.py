@@ -824,6 +824,61 @@ def test_put_object_pickles_as_pickle_dumps_does_and_keeps_nothing_of_the_object
     assert r.get_plain(bytes, None) == pickle.dumps(("small", 2), protocol=5)
 
 
+class _Point:
+    def __init__(self, x: int) -> None:
+        self.x = x
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Point) and other.x == self.x
+
+
+def _point(x: int) -> _Point:
+    return _Point(x)
+
+
+@pytest.mark.parametrize("core", ["pure", "compiled"])
+def test_put_object_pickles_with_the_dumps_it_is_given(core: str) -> None:
+    """A serializer's own pickler (reducers registered) gives pickle.dumps's bytes for plain
+    values, which the compiled core writes itself, and its reducers' for the rest; a dumps
+    that does not say it pickles plain values as pickle does is called for every value."""
+    from aioshmq._serialize import PickleSerializer
+
+    module = _module(core)
+    layout = Layout(1 << 20, 64, 1)
+    mem = _memory(layout)
+    w, r = _writer(module, mem, layout), _reader(module, mem, layout)
+    ser = PickleSerializer(reducers={_Point: lambda p: (_point, (p.x + 1,))})
+    reducing = ser.pickler
+    assert reducing is not pickle.dumps and type(reducing).plain_as_pickle is True  # type: ignore[attr-defined]
+    plain = {"seq": 1, "tags": ("a", "b"), "data": [1.5, None, b"x"]}
+    assert w.put_object(plain, reducing) is None
+    assert r.get_plain(bytes, None) == pickle.dumps(plain, protocol=5)
+    assert w.put_object([_Point(1), "p"], reducing) is None
+    assert r.get_plain(pickle.loads, None) == [_Point(2), "p"]
+
+    def protocol_4(obj: Any, protocol: int = 5, buffer_callback: Any = None) -> bytes:
+        return pickle.dumps(obj, protocol=4)
+
+    assert w.put_object(plain, protocol_4) is None
+    assert r.get_plain(bytes, None) == pickle.dumps(plain, protocol=4)
+    assert w.put_object(plain, pickle.dumps) is None  # after another type was asked about
+    assert r.get_plain(bytes, None) == pickle.dumps(plain, protocol=5)
+
+    class Counted(type(reducing)):  # type: ignore[misc]
+        calls = 0
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            Counted.calls += 1
+            return super().__call__(*args, **kwargs)
+
+    counted = Counted(pickle.Pickler, ser._table)
+    for obj in (plain, [_Point(5)]):
+        assert w.put_object(obj, counted) is None
+    assert r.get_plain(bytes, None) == pickle.dumps(plain, protocol=5)
+    assert r.get_plain(pickle.loads, None) == [_Point(6)]
+    assert Counted.calls == (1 if core == "compiled" else 2)  # plain values in C
+
+
 @needs_compiled
 def test_both_cores_pickle_to_the_same_bytes() -> None:
     """The compiled core writes plain values itself (aioshmq/_plainpickle.c) and leaves the
