@@ -98,8 +98,8 @@ static inline size_t slot_of(P *p, PyObject *key) {
 }
 
 /* The entry of ``key``, or the free entry where it would go. */
-static PlainMemoEntry *memo_slot(P *p, PyObject *key) {
-    size_t mask = ((size_t)1 << p->memo_bits) - 1;
+static inline PlainMemoEntry *memo_slot(P *p, PyObject *key) {
+    size_t mask = p->memo_limit * 2 - 1;
     for (size_t i = slot_of(p, key);; i = (i + 1) & mask) {
         PlainMemoEntry *e = &p->memo[i];
         if (e->gen != p->gen || e->key == key) return e;
@@ -116,6 +116,7 @@ static int memo_grow(P *p) {
     }
     p->memo = fresh;
     p->memo_bits++;
+    p->memo_limit *= 2;
     for (size_t i = 0; i < old_n; i++)
         if (old[i].gen == p->gen) *memo_slot(p, old[i].key) = old[i];
     PyMem_Free(old);
@@ -125,7 +126,7 @@ static int memo_grow(P *p) {
 /* Records ``key`` at ``index`` (-1: a tuple in progress) in ``e``, the free entry memo_slot
  * gave for it with nothing recorded since. */
 static int memo_put_at(P *p, PlainMemoEntry *e, PyObject *key, Py_ssize_t index) {
-    if ((p->memo_used + 1) * 2 > ((size_t)1 << p->memo_bits)) {
+    if (p->memo_used >= p->memo_limit) {
         if (memo_grow(p) < 0) return -1;
         e = memo_slot(p, key);
     }
@@ -198,30 +199,40 @@ static int save_long(P *p, PyObject *obj) {
 static int save_float(P *p, PyObject *obj) {
     unsigned char d[9];
     d[0] = BINFLOAT;
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__ \
+    && defined(__FLOAT_WORD_ORDER__) && __FLOAT_WORD_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    /* the IEEE 754 bits, big-endian: what PyFloat_Pack8 writes on such a machine */
+    double x = PyFloat_AS_DOUBLE(obj);
+    uint64_t bits;
+    memcpy(&bits, &x, 8);
+    bits = __builtin_bswap64(bits);
+    memcpy(d + 1, &bits, 8);
+#else
     if (PyFloat_Pack8(PyFloat_AS_DOUBLE(obj), (char *)d + 1, 0) < 0) {
         PyErr_Clear();
         return PLAIN_NOT;
     }
+#endif
     return put(p, d, 9);
 }
 
 /* str and bytes: a header of the SHORT_ form (one length byte) or the long one (four). */
 static int save_data(P *p, PlainMemoEntry *e, PyObject *obj, unsigned char short_op,
                      unsigned char long_op, const char *data, Py_ssize_t n) {
-    unsigned char d[5];
-    int r;
+    if (n > FRAME_MAX || !room(p, 5 + n)) return PLAIN_NOT;
+    unsigned char *d = p->buf + p->len;
     if (n <= 0xff) {
         d[0] = short_op;
         d[1] = (unsigned char)n;
-        r = put(p, d, 2);
+        d += 2;
     } else {
-        if (n > FRAME_MAX) return PLAIN_NOT;
         d[0] = long_op;
         le32(d + 1, (uint32_t)n);
-        r = put(p, d, 5);
+        d += 5;
     }
-    if (r == PLAIN_DONE) r = put(p, data, n);
-    return r == PLAIN_DONE ? memoize(p, e, obj) : r;
+    memcpy(d, data, (size_t)n);
+    p->len = (d - p->buf) + n;
+    return memoize(p, e, obj);
 }
 
 static int save_str(P *p, PlainMemoEntry *e, PyObject *obj) {
@@ -269,6 +280,14 @@ static int save_list(P *p, PlainMemoEntry *e, PyObject *obj, int depth) {
     return PLAIN_DONE;
 }
 
+/* A dict's key: most are str, which go straight to the memo and save_str. */
+static inline int save_key(P *p, PyObject *key, int depth) {
+    if (!PyUnicode_CheckExact(key)) return save(p, key, depth);
+    PlainMemoEntry *e = memo_slot(p, key);
+    if (e->gen == p->gen) return memo_get(p, e->index);
+    return save_str(p, e, key);
+}
+
 static int save_dict(P *p, PlainMemoEntry *e, PyObject *obj, int depth) {
     int r;
     if ((r = put1(p, EMPTY_DICT)) != PLAIN_DONE || (r = memoize(p, e, obj)) != PLAIN_DONE)
@@ -278,7 +297,7 @@ static int save_dict(P *p, PlainMemoEntry *e, PyObject *obj, int depth) {
     if (n == 0) return PLAIN_DONE;
     if (n == 1) {
         PyDict_Next(obj, &pos, &key, &value);
-        if ((r = save(p, key, depth + 1)) != PLAIN_DONE
+        if ((r = save_key(p, key, depth + 1)) != PLAIN_DONE
             || (r = save(p, value, depth + 1)) != PLAIN_DONE)
             return r;
         return put1(p, SETITEM);
@@ -286,7 +305,7 @@ static int save_dict(P *p, PlainMemoEntry *e, PyObject *obj, int depth) {
     do {
         if ((r = put1(p, MARK)) != PLAIN_DONE) return r;
         for (batch = 0; batch < BATCHSIZE && PyDict_Next(obj, &pos, &key, &value); batch++)
-            if ((r = save(p, key, depth + 1)) != PLAIN_DONE
+            if ((r = save_key(p, key, depth + 1)) != PLAIN_DONE
                 || (r = save(p, value, depth + 1)) != PLAIN_DONE)
                 return r;
         if ((r = put1(p, SETITEMS)) != PLAIN_DONE) return r;
@@ -330,6 +349,7 @@ static int start(P *p) {
             return -1;
         }
         p->memo_bits = MEMO_BITS_MIN;
+        p->memo_limit = (size_t)1 << (MEMO_BITS_MIN - 1);
         p->gen = 0;
     }
     if (++p->gen == 0) { /* every entry would look current again */

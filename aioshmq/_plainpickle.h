@@ -19,7 +19,7 @@ typedef struct {
     unsigned char *buf; /* the pickle being written, NULL until the first dump */
     Py_ssize_t len;     /* bytes of it written */
     PlainMemoEntry *memo;
-    size_t memo_bits, memo_used;
+    size_t memo_bits, memo_used, memo_limit; /* 2 ** memo_bits entries, half of them usable */
     Py_ssize_t memo_next; /* the next memo index, as _pickle counts them */
     uint32_t gen;
 } PlainPickler;

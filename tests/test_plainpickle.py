@@ -113,8 +113,9 @@ def test_containers_are_written_in_pickles_batches(n: int) -> None:
 
 
 def test_memo_indices_past_255_take_the_long_form() -> None:
-    words = [f"w{i}" for i in range(400)]
-    same(words + words[::-1])
+    for n in (400, 3000):  # the memo grows, past the size kept between pickles
+        words = [f"w{i}" for i in range(n)]
+        same(words + words[::-1])
 
 
 def test_lists_and_dicts_that_hold_themselves_pickle_as_pickle_does() -> None:

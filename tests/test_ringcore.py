@@ -898,6 +898,7 @@ def test_both_cores_pickle_to_the_same_bytes() -> None:
             [b"z" * (70 << 10), {"k": "v"}],
             bytearray(b"q" * 100),
             {"not plain": frozenset({1})},
+            [f"w{i}" for i in range(3000)],  # a memo grown past what is kept for the next
             ("b", 2),
         ):
             assert w.put_object(obj, pickle.dumps) is None
