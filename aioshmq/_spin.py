@@ -7,8 +7,6 @@ PROBE_EVERY = 32  # sleeps between two such tries, at first
 PROBE_EVERY_MOST = 1024  # ... doubled by each try that fails, up to this
 SLEEP_WEIGHT = 0.25  # the weight of the latest sleep in the running mean of short sleeps
 PROBE_MARGIN = 1.25  # a try spins this many times that mean: long enough to catch the next
-IN_WAY_SHARE = 0.5  # a sleep after a failed try this share of the mean or more: it was in the way
-IN_WAY_EVERY = 16384  # sleeps between two tries once a try was found in the way, at least
 
 
 class Spin:
@@ -31,26 +29,9 @@ class Spin:
     tens of microseconds apart, a try as long as the wait it replaces is one that can catch
     the next, and once one does the budget starts from there.  A reader whose sleeps are
     longer than ``limit`` (messages rare, or a writer starved of CPU) tries ``PROBE`` alone.
-
-    A try that fails may have been in the way: where the writer needs the CPU the reader
-    spins on, it makes no progress meanwhile, and the whole try is added to that message's
-    wait.  The sleep after the try tells which: a writer that ran beside the try has less left
-    to do after it, one that could not run has all of it, a sleep as long as the usual ones.
-    A try found in the way puts the next one ``IN_WAY_EVERY`` sleeps off (a few seconds at
-    the rates where it matters), so that the tries stay out of all but the rarest waits.
     """
 
-    __slots__ = (
-        "after_try",
-        "caught",
-        "every",
-        "limit",
-        "missed",
-        "now",
-        "sleeps",
-        "slept_mean",
-        "tried",
-    )
+    __slots__ = ("caught", "every", "limit", "missed", "now", "sleeps", "slept_mean", "tried")
 
     def __init__(self, limit: float) -> None:
         self.limit = limit
@@ -61,11 +42,9 @@ class Spin:
         self.missed = 0  # spins that ran out
         self.slept_mean = 0.0  # the running mean of sleeps shorter than limit (0: none yet)
         self.tried = 0.0  # the budget of the spin under way
-        self.after_try = False  # this wait's try failed: its sleep says whether it was in the way
 
     def budget(self) -> float:
         """How long the next wait may spin (0: sleep at once)."""
-        self.after_try = False
         if self.now or not self.limit:
             self.tried = self.now
             return self.now
@@ -88,18 +67,12 @@ class Spin:
         """The spin ran out: the reader sleeps after all."""
         self.missed += 1
         if not self.now and self.tried:  # a try failed
-            self.every = min(max(PROBE_EVERY_MOST, self.every), 2 * self.every)
-            self.after_try = True
+            self.every = min(PROBE_EVERY_MOST, 2 * self.every)
         self.now = self.now / 2 if self.now > PROBE else 0.0
         self.tried = 0.0
 
     def slept(self, seconds: float) -> None:
         """A sleep that a message ended lasted ``seconds``."""
-        if self.after_try:  # the sleep is what the try left of the wait, not a usual one
-            self.after_try = False
-            if seconds >= IN_WAY_SHARE * self.slept_mean:
-                self.every = max(self.every, IN_WAY_EVERY)
-            return
         if seconds < self.limit:
             mean = self.slept_mean
             self.slept_mean = seconds if not mean else mean + SLEEP_WEIGHT * (seconds - mean)

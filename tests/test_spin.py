@@ -6,16 +6,7 @@ import anyio
 import pytest
 
 import aioshmq
-from aioshmq._spin import (
-    IN_WAY_EVERY,
-    IN_WAY_SHARE,
-    PROBE,
-    PROBE_EVERY,
-    PROBE_EVERY_MOST,
-    PROBE_MARGIN,
-    SLEEP_WEIGHT,
-    Spin,
-)
+from aioshmq._spin import PROBE, PROBE_EVERY, PROBE_EVERY_MOST, PROBE_MARGIN, SLEEP_WEIGHT, Spin
 
 
 def test_misses_halve_the_budget_down_to_nothing_and_hits_grow_it_slowly() -> None:
@@ -86,51 +77,6 @@ def test_failed_tries_come_ever_more_rarely_until_one_catches_a_message() -> Non
     assert spin.every == PROBE_EVERY and spin.now == pytest.approx(2 * PROBE)
     spin.miss()  # a spin that is not a try changes nothing about tries
     assert spin.every == PROBE_EVERY
-
-
-def _sleeps_to_a_try(spin: Spin) -> int:
-    sleeps = 1
-    while not spin.budget():
-        sleeps += 1
-    return sleeps
-
-
-def test_a_try_in_the_way_puts_the_next_one_far_off() -> None:
-    """Both processes on one CPU: the writer cannot run while the reader tries a spin, so the
-    sleep after the failed try is as long as the usual ones; tries then come only every
-    IN_WAY_EVERY sleeps, whatever the later tries find, until one catches a message."""
-    spin = _spent(Spin(200e-6))
-    for _ in range(8):
-        spin.slept(40e-6)
-    assert _sleeps_to_a_try(spin) == PROBE_EVERY
-    spin.miss()
-    spin.slept(40e-6)  # the whole wait was still to come
-    assert spin.every == IN_WAY_EVERY
-    assert spin.slept_mean == pytest.approx(40e-6)  # not a usual sleep: the mean keeps out of it
-    for _ in range(2):
-        assert _sleeps_to_a_try(spin) == IN_WAY_EVERY
-        spin.miss()
-        spin.slept(IN_WAY_SHARE * 40e-6 / 2)  # short this time: it stays as far off
-        assert spin.every == IN_WAY_EVERY
-    assert _sleeps_to_a_try(spin) == IN_WAY_EVERY
-    spin.hit()
-    assert spin.every == PROBE_EVERY
-
-
-def test_a_try_that_ran_out_beside_a_working_writer_only_doubles_the_gap() -> None:
-    """A writer on another CPU got on with the message during the try: little of the wait
-    was left after it, and the next try comes as failed tries always brought it."""
-    spin = _spent(Spin(200e-6))
-    for _ in range(8):
-        spin.slept(40e-6)
-    assert _sleeps_to_a_try(spin) == PROBE_EVERY
-    spin.miss()
-    spin.slept(0.9 * IN_WAY_SHARE * 40e-6)
-    assert spin.every == 2 * PROBE_EVERY and spin.slept_mean == pytest.approx(40e-6)
-    spin.budget()  # a wait without a try: its sleep is a usual one again
-    spin.slept(80e-6)
-    assert spin.slept_mean == pytest.approx(40e-6 + SLEEP_WEIGHT * 40e-6)
-    assert spin.every == 2 * PROBE_EVERY
 
 
 def test_the_mean_follows_the_sleeps_and_ignores_long_ones() -> None:
