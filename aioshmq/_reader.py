@@ -307,10 +307,27 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
                 pid=self._writer_pid,
             )
 
+    def _spin_budget(self) -> float:
+        """How long this wait may spin: none where a spin could only be in the writer's way."""
+        spinner = self._spinner
+        spin = spinner.budget()
+        if spin and spinner.fresh() and self._on_the_writers_cpu():
+            spinner.skip()
+            return 0.0
+        return spin
+
+    def _on_the_writers_cpu(self) -> bool:
+        """Whether this process and the writer's may each run on one CPU only, the same."""
+        try:
+            mine = os.sched_getaffinity(0)
+            return len(mine) == 1 and os.sched_getaffinity(self._writer_pid) == mine
+        except OSError:  # the writer is gone, or of another user: the spin decides alone
+            return False
+
     async def _wait(self) -> None:
         """Wait for a message or the writer's end (spinning, or asleep on the wait fd)."""
         ring = self._ring
-        spin = self._spinner.budget()
+        spin = self._spin_budget()
         if spin:
             # Yield to the loop (never block it) for a moment: when messages come fast,
             # the next one arrives meanwhile and neither side makes a wake-up syscall.
@@ -356,7 +373,7 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         ring = self._ring
         token = self._hold(False)  # first: a close from another thread keeps the mapping
         try:
-            spin = self._spinner.budget()
+            spin = self._spin_budget()
             if spin:
                 # No loop to yield to: watch the ring for a moment before sleeping (without
                 # the GIL, with the compiled core: other threads run meanwhile).

@@ -29,9 +29,24 @@ class Spin:
     tens of microseconds apart, a try as long as the wait it replaces is one that can catch
     the next, and once one does the budget starts from there.  A reader whose sleeps are
     longer than ``limit`` (messages rare, or a writer starved of CPU) tries ``PROBE`` alone.
+
+    Where the reader and its writer may run on one CPU only, the same one, a spin holds the
+    CPU the writer needs to send the message it waits for: it catches nothing and adds its
+    whole length to that wait.  The reader checks for that before the first spin and before
+    each try, and skips them there (``skip``).
     """
 
-    __slots__ = ("caught", "every", "limit", "missed", "now", "sleeps", "slept_mean", "tried")
+    __slots__ = (
+        "caught",
+        "every",
+        "limit",
+        "missed",
+        "now",
+        "skipped",
+        "sleeps",
+        "slept_mean",
+        "tried",
+    )
 
     def __init__(self, limit: float) -> None:
         self.limit = limit
@@ -40,6 +55,7 @@ class Spin:
         self.every = PROBE_EVERY  # sleeps between two tries
         self.caught = 0  # spins that caught a message
         self.missed = 0  # spins that ran out
+        self.skipped = 0  # spins not made: they could only have been in the writer's way
         self.slept_mean = 0.0  # the running mean of sleeps shorter than limit (0: none yet)
         self.tried = 0.0  # the budget of the spin under way
 
@@ -69,6 +85,19 @@ class Spin:
         if not self.now and self.tried:  # a try failed
             self.every = min(PROBE_EVERY_MOST, 2 * self.every)
         self.now = self.now / 2 if self.now > PROBE else 0.0
+        self.tried = 0.0
+
+    def fresh(self) -> bool:
+        """Whether the next spin is a try, or the first: the ones worth checking first."""
+        return not self.now or not (self.caught or self.missed)
+
+    def skip(self) -> None:
+        """The spin due is not made (the writer can only run on the CPU it would take): no
+        budget left, and a try comes as much later as after one that failed."""
+        self.skipped += 1
+        if not self.now:
+            self.every = min(PROBE_EVERY_MOST, 2 * self.every)
+        self.now = 0.0
         self.tried = 0.0
 
     def slept(self, seconds: float) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import anyio
 import pytest
 
@@ -79,6 +81,30 @@ def test_failed_tries_come_ever_more_rarely_until_one_catches_a_message() -> Non
     assert spin.every == PROBE_EVERY
 
 
+def test_a_skipped_spin_leaves_no_budget_and_puts_the_next_try_off() -> None:
+    """Checked first are the first spin and every try; a skipped try counts for the next
+    one's gap as a failed one does, without counting as a spin."""
+    spin = Spin(200e-6)
+    assert spin.fresh() and spin.budget() == 200e-6
+    spin.skip()
+    assert spin.now == 0.0 and spin.every == PROBE_EVERY and spin.skipped == 1
+    gaps = []
+    for _ in range(3):
+        sleeps = 1
+        while not spin.budget():
+            sleeps += 1
+        assert spin.fresh()
+        gaps.append(sleeps)
+        spin.skip()
+    assert gaps == [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY]
+    assert (spin.caught, spin.missed, spin.skipped) == (0, 0, 4)
+    while not spin.budget():
+        pass
+    spin.hit()
+    assert not spin.fresh()  # spinning pays: no check before each spin
+    assert spin.every == PROBE_EVERY
+
+
 def test_the_mean_follows_the_sleeps_and_ignores_long_ones() -> None:
     spin = _spent(Spin(200e-6))
     spin.slept(1.0)  # longer than the limit: no spin would have caught it
@@ -132,3 +158,27 @@ async def test_a_reader_whose_spins_catch_messages_keeps_spinning() -> None:
         assert got == list(range(20))
         assert r._spinner.caught >= 10 and r._spinner.missed == 0
         assert r._spinner.now == 0.5
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to move between")
+async def test_a_reader_on_its_writers_only_cpu_never_spins() -> None:
+    """This process writes and reads: pinned to one CPU, the writer could only run where
+    the reader would spin, so the first spin and every try are skipped and the reader sleeps
+    at once; unpinned, the next try is made."""
+    cpus = os.sched_getaffinity(0)
+    with aioshmq.create(capacity=1 << 16) as w, aioshmq.connect(w.name, spin=0.0002) as r:
+        spinner = r._spinner
+        os.sched_setaffinity(0, {min(cpus)})
+        try:
+            budgets = [r._spin_budget() for _ in range(1 + PROBE_EVERY + 2 * PROBE_EVERY)]
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(w.put, "after a sleep")
+                assert await r.get() == "after a sleep"
+        finally:
+            os.sched_setaffinity(0, cpus)
+        assert set(budgets) == {0.0}
+        assert (spinner.caught, spinner.missed, spinner.skipped) == (0, 0, 3)
+        assert spinner.every == 4 * PROBE_EVERY  # each skipped try put the next one off
+        spinner.every = 1
+        assert r._spin_budget() > 0  # a CPU may be free for it now: the try is made
+        assert spinner.skipped == 3
