@@ -280,12 +280,16 @@ static int save_list(P *p, PlainMemoEntry *e, PyObject *obj, int depth) {
     return PLAIN_DONE;
 }
 
-/* A dict's key: most are str, which go straight to the memo and save_str. */
+/* An exact str: fetched from the memo if met before (never a tuple in progress), else
+ * written and memoized. */
+static inline int save_str_or_get(P *p, PyObject *obj) {
+    PlainMemoEntry *e = memo_slot(p, obj);
+    return e->gen == p->gen ? memo_get(p, e->index) : save_str(p, e, obj);
+}
+
+/* A dict's key: most are str, which skip save's dispatch. */
 static inline int save_key(P *p, PyObject *key, int depth) {
-    if (!PyUnicode_CheckExact(key)) return save(p, key, depth);
-    PlainMemoEntry *e = memo_slot(p, key);
-    if (e->gen == p->gen) return memo_get(p, e->index);
-    return save_str(p, e, key);
+    return PyUnicode_CheckExact(key) ? save_str_or_get(p, key) : save(p, key, depth);
 }
 
 static int save_dict(P *p, PlainMemoEntry *e, PyObject *obj, int depth) {
@@ -320,12 +324,11 @@ static int save(P *p, PyObject *obj, int depth) {
     if (obj == Py_False) return put1(p, NEWFALSE);
     if (t == &PyLong_Type) return save_long(p, obj);
     if (t == &PyFloat_Type) return save_float(p, obj);
-    if (t != &PyUnicode_Type && t != &PyBytes_Type && t != &PyTuple_Type && t != &PyList_Type
-        && t != &PyDict_Type)
+    if (t == &PyUnicode_Type) return save_str_or_get(p, obj);
+    if (t != &PyBytes_Type && t != &PyTuple_Type && t != &PyList_Type && t != &PyDict_Type)
         return PLAIN_NOT;
     PlainMemoEntry *e = memo_slot(p, obj);
     if (e->gen == p->gen) return e->index < 0 ? PLAIN_NOT : memo_get(p, e->index);
-    if (t == &PyUnicode_Type) return save_str(p, e, obj);
     if (t == &PyBytes_Type)
         return save_data(p, e, obj, SHORT_BINBYTES, BINBYTES, PyBytes_AS_STRING(obj),
                          PyBytes_GET_SIZE(obj));

@@ -30,7 +30,7 @@ typedef struct {
 
 /* pickle.dumps(obj, protocol=5) into p->buf[0:p->len] if ``obj`` is plain: None, a bool, an
  * int of 64 bits, a float, a str or bytes, or a tuple, list or dict of exactly those types,
- * nested at most PLAIN_DEPTH_MAX deep, whose pickle fits in one 64 KiB frame.  PLAIN_NOT
+ * nested at most 100 deep, whose pickle fits in one 64 KiB frame.  PLAIN_NOT
  * for anything else: the caller pickles it with pickle itself.  Runs no Python code. */
 int plain_dump(PlainPickler *p, PyObject *obj);
 

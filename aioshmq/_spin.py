@@ -83,9 +83,13 @@ class Spin:
         """The spin ran out: the reader sleeps after all."""
         self.missed += 1
         if not self.now and self.tried:  # a try failed
-            self.every = min(PROBE_EVERY_MOST, 2 * self.every)
+            self._put_off()
         self.now = self.now / 2 if self.now > PROBE else 0.0
         self.tried = 0.0
+
+    def _put_off(self) -> None:
+        """A try came to nothing: twice as many sleeps before the next, up to a bound."""
+        self.every = min(PROBE_EVERY_MOST, 2 * self.every)
 
     def fresh(self) -> bool:
         """Whether the next spin is a try, or the first: the ones worth checking first."""
@@ -96,7 +100,7 @@ class Spin:
         budget left, and a try comes as much later as after one that failed."""
         self.skipped += 1
         if not self.now:
-            self.every = min(PROBE_EVERY_MOST, 2 * self.every)
+            self._put_off()
         self.now = 0.0
         self.tried = 0.0
 
