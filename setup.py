@@ -47,12 +47,12 @@ FLAGS = [
 setup(
     ext_modules=[
         Extension(
-            "aioshmq._ringcore_c",
-            ["aioshmq/_ringcore_c.c", "aioshmq/_plainpickle.c"],
-            depends=["aioshmq/_plainpickle.h"],
+            "aioshmq.ring.compiled",
+            ["aioshmq/ring/compiled.c", "aioshmq/ring/plainpickle.c"],
+            depends=["aioshmq/ring/plainpickle.h"],
             extra_compile_args=FLAGS,
         ),
-        Extension("aioshmq._cancel_c", ["aioshmq/_cancel_c.c"], extra_compile_args=FLAGS),
+        Extension("aioshmq.ends._cancel_c", ["aioshmq/ends/_cancel_c.c"], extra_compile_args=FLAGS),
     ],
     cmdclass={"build_ext": OptionalBuildExt},
 )

@@ -1,7 +1,8 @@
 """aioshmq: one writer broadcasts Python objects to N reader processes through shared memory."""
 
 from . import remote, rpc
-from ._errors import (
+from .api.open import aconnect, connect, create
+from .base.errors import (
     CorruptedError,
     Empty,
     Full,
@@ -10,14 +11,13 @@ from ._errors import (
     SerializationError,
     UndeliveredWarning,
 )
-from ._handle import Handle
-from ._msgpack import MsgpackSerializer
-from ._open import aconnect, connect, create
-from ._reader import Lease, Reader, ReaderStatistics
-from ._reserve import Reservation
-from ._serialize import BufferSerializer, CloudpickleSerializer, PickleSerializer, Reducer
-from ._switch import CORE
-from ._writer import Writer, WriterStatistics
+from .ends.handle import Handle
+from .ends.reader import Lease, Reader, ReaderStatistics
+from .ends.reserve import Reservation
+from .ends.writer import Writer, WriterStatistics
+from .ring.switch import CORE
+from .serialize.msgpack import MsgpackSerializer
+from .serialize.pickling import BufferSerializer, CloudpickleSerializer, PickleSerializer, Reducer
 
 __all__ = [
     "CORE",

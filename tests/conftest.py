@@ -192,9 +192,7 @@ def _with_deadline(test: Callable[..., Any], seconds: float, timeout: float) -> 
     return run
 
 
-def run_in_session(
-    cmd: list[str], cwd: Path, timeout: float
-) -> subprocess.CompletedProcess[str]:
+def run_in_session(cmd: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
     """Run ``cmd`` with this checkout on its path, in a session of its own: on timeout the
     test fails, and at the end anything it left running is killed with it."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}

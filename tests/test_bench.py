@@ -15,8 +15,8 @@ import pytest
 from conftest import run_in_session
 
 import aioshmq
-from aioshmq._bench import _rpc
-from aioshmq._bench._peers import (
+from benchmarks import rpc as _rpc
+from benchmarks.peers import (
     MP_QUEUE,
     VLLM,
     AioshmqChannel,
@@ -27,8 +27,8 @@ from aioshmq._bench._peers import (
     Peer,
     _AioshmqReceiver,
 )
-from aioshmq._bench._scenarios import SCENARIO_NAMES
-from aioshmq._bench._workload import TINY, Workload, small_tuple
+from benchmarks.scenarios import SCENARIO_NAMES
+from benchmarks.workload import TINY, Workload, small_tuple
 
 ROOT = Path(__file__).resolve().parent.parent
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -57,7 +57,7 @@ EVERY_TIMEOUT = TINY_TIMEOUT + REMOTE_TIMEOUT + NEW_PATHS_TIMEOUT
 )
 def test_bench_tiny_run_reports_every_scenario(tmp_path: Path, only: tuple[str, ...]) -> None:
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "aioshmq", "bench", "--quick", "--tiny", "--json", str(out)]
+    cmd = [sys.executable, "-m", "benchmarks", "--quick", "--tiny", "--json", str(out)]
     every = only == SCENARIO_NAMES
     if not every:
         cmd += ["--only", *only]
@@ -276,7 +276,7 @@ def test_bench_tiny_run_reports_the_rows_of_the_new_paths(
     tmp_path: Path, only: tuple[str, ...]
 ) -> None:
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "aioshmq", "bench", "--tiny", "--only", *only]
+    cmd = [sys.executable, "-m", "benchmarks", "--tiny", "--only", *only]
     proc = run_in_session([*cmd, "--json", str(out)], ROOT, NEW_PATHS_TIMEOUT)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     results = json.loads(out.read_text())["results"]
@@ -372,7 +372,7 @@ async def test_the_msgpack_channel_sends_msgpack(
 @pytest.mark.timeout(REMOTE_TIMEOUT + 5)
 def test_bench_tiny_remote_run_reports_its_rows(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "aioshmq", "bench", "--tiny", "--only", "remote"]
+    cmd = [sys.executable, "-m", "benchmarks", "--tiny", "--only", "remote"]
     proc = run_in_session([*cmd, "--json", str(out)], ROOT, REMOTE_TIMEOUT)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     results = json.loads(out.read_text())["results"]
@@ -395,7 +395,7 @@ def test_a_peer_is_missing_where_it_is_not_installed_or_does_not_import() -> Non
 
 
 def test_bench_only_rejects_an_unknown_scenario() -> None:
-    cmd = [sys.executable, "-m", "aioshmq", "bench", "--only", "nonsense"]
+    cmd = [sys.executable, "-m", "benchmarks", "--only", "nonsense"]
     proc = run_in_session(cmd, ROOT, 30)
     assert proc.returncode == 2
     assert "invalid choice" in proc.stderr

@@ -308,7 +308,7 @@ async def test_dead_reader_detached(anyio_backend: object, children: Children) -
 def _write_then_die(name: str, ready: Any, attached: Any, small: int) -> None:
     """Put ``small`` messages, then die (SIGKILL) half-way through a message larger than
     the ring, at the moment the writer has to wait for room."""
-    from aioshmq import _ring
+    from aioshmq.ring import ring as _ring
 
     w = aioshmq.create(capacity=1 << 16, readers=2, name=name)  # slot 1 never attaches
     ready.set()
@@ -447,7 +447,7 @@ def test_another_user_is_told_it_may_not_attach(children: Children) -> None:
 def _raw_request(name: str, packet: bytes) -> bytes:
     import socket
 
-    from aioshmq._broker import PREFIX
+    from aioshmq.ends.broker import PREFIX
 
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
         sock.settimeout(10)
@@ -653,7 +653,7 @@ def test_connect_that_fails_after_the_slot_changed_hands_gives_it_back(
 ) -> None:
     import threading
 
-    from aioshmq import _broker
+    from aioshmq.ends import broker as _broker
 
     release = threading.Event()
     attach = _broker.Broker._attach
@@ -695,9 +695,7 @@ def test_drop_reader_never_drops_a_reader_attaching_meanwhile() -> None:
                 if self.armed and threading.get_ident() == main:
                     # drop_reader has just seen slot 1 free: a reader attaches right now.
                     self.armed = False
-                    t = threading.Thread(
-                        target=lambda: readers.append(aioshmq.connect(w.name, 1))
-                    )
+                    t = threading.Thread(target=lambda: readers.append(aioshmq.connect(w.name, 1)))
                     t.start()
                     t.join(1)  # a correct drop holds the slot: the attach waits for it
                     States.attacher = t  # type: ignore[attr-defined]
@@ -718,7 +716,7 @@ def test_a_stopped_broker_makes_the_writer_raise(monkeypatch: pytest.MonkeyPatch
     import selectors
     import threading
 
-    from aioshmq import _broker
+    from aioshmq.ends import broker as _broker
 
     stopped = threading.Event()
 

@@ -14,7 +14,7 @@ import pytest
 import sniffio
 
 import aioshmq
-from aioshmq import _cancel
+from aioshmq.ends import cancel as _cancel
 
 pytestmark = pytest.mark.anyio
 
@@ -244,7 +244,7 @@ async def test_the_compiled_check_reads_anyio_slots(anyio_backend: str) -> None:
     and answers the same: this test then says so."""
     if aioshmq.CORE != "compiled":
         pytest.skip("the pure core reads attributes by name")
-    from aioshmq import _cancel_c
+    from aioshmq.ends import _cancel_c
 
     _cancel.pending_checkpoint()
     assert _cancel_c.direct_fields() == [
@@ -309,7 +309,7 @@ def test_the_compiled_sync_calls_answer_as_the_pure_ones() -> None:
     import numpy as np
 
     from aioshmq import Reader, Writer
-    from aioshmq._open import PURE_SYNC
+    from aioshmq.api.open import PURE_SYNC
 
     pure_put, pure_get = PURE_SYNC
     if aioshmq.CORE == "compiled":
@@ -451,7 +451,7 @@ async def test_the_compiled_put_and_get_answer_as_the_pure_ones() -> None:
     import numpy as np
 
     from aioshmq import Reader, Writer
-    from aioshmq._open import PURE_ASYNC
+    from aioshmq.api.open import PURE_ASYNC
 
     pure_put, pure_get = PURE_ASYNC
     if aioshmq.CORE == "compiled":
@@ -501,7 +501,7 @@ async def test_the_compiled_put_and_get_answer_as_the_pure_ones() -> None:
         # Pacing due: both let the loop run first, then go on, and the next pace is due
         # YIELD_INTERVAL after the clock they read; a pace whose checkpoint raised leaves it
         # due, and nothing is put or taken.
-        from aioshmq._end import YIELD_INTERVAL
+        from aioshmq.ends.end import YIELD_INTERVAL
 
         ran: list[str] = []
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 import aioshmq
-from aioshmq import _layout as L
+from aioshmq.ring import format as L
 
 
 def _fds() -> int:
@@ -377,7 +377,7 @@ def _loop_check_answers() -> list[tuple[str, bool, bool]]:
     state a thread can be in."""
     import anyio
 
-    from aioshmq import _end
+    from aioshmq.ends import end as _end
 
     check, pure = _end.in_event_loop, _end._in_event_loop
     answers = [("no loop", check(), pure())]
@@ -409,7 +409,7 @@ def test_the_compiled_loop_check_answers_as_the_pure_one() -> None:
     loop included (with trio imported it asks the pure function)."""
     import anyio
 
-    from aioshmq import _end
+    from aioshmq.ends import end as _end
 
     if aioshmq.CORE == "compiled":
         assert _end.in_event_loop is not _end._in_event_loop

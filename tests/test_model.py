@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import aioshmq
-from aioshmq import _layout as L
+from aioshmq.ring import format as L
 
 CAP = 4096
 MAX = 6

@@ -10,7 +10,7 @@ import pytest
 from conftest import Children, backend_name, run_backend
 
 import aioshmq
-from aioshmq._notify import Notifier
+from aioshmq.memory.notify import Notifier
 
 pytestmark = pytest.mark.anyio
 

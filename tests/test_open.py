@@ -11,7 +11,8 @@ import anyio
 import pytest
 
 import aioshmq
-from aioshmq import _broker, _reader
+from aioshmq.ends import broker as _broker
+from aioshmq.ends import reader as _reader
 
 pytestmark = pytest.mark.anyio
 

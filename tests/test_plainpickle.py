@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 try:
-    from aioshmq import _ringcore_c
+    from aioshmq.ring import compiled as _ringcore_c
 except ImportError:  # pragma: no cover - a machine without a compiler
     _ringcore_c = None  # type: ignore[assignment]
 

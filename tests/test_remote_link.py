@@ -269,7 +269,6 @@ def test_remote_threads_and_fds_are_released_on_close() -> None:
     assert set(os.listdir("/proc/self/fd")) - before_fds == set()
 
 
-
 def _kill_connections(port: str) -> bool:
     """Reset every TCP connection to ``port`` (as a failing link would); False if the
     kernel or the user cannot."""

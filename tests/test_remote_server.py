@@ -19,6 +19,7 @@ pytestmark = pytest.mark.anyio
 def anyio_backend(request: pytest.FixtureRequest) -> Any:
     return request.param
 
+
 SECRET = b"test-secret-" + b"s" * 20
 HEARTBEAT = 1.5
 
@@ -121,9 +122,9 @@ async def test_the_writer_reuses_only_what_a_remote_reader_acknowledged() -> Non
 
     import zmq
 
-    from aioshmq._layout import record_size
     from aioshmq.remote import _wire as W
     from aioshmq.remote._auth import Keys, secure_client
+    from aioshmq.ring.format import record_size
 
     with aioshmq.create(1 << 16, 8, listen="tcp://127.0.0.1:0", secret=SECRET, heartbeat=60) as w:
         assert w.address is not None
@@ -172,9 +173,10 @@ def test_a_remote_reader_that_stops_reading_is_evicted_and_told() -> None:
         slow_reader_timeout=0.3,
     ) as w:
         assert w.address is not None
-        with aioshmq.connect(w.name, 0, spin=0) as a, aioshmq.connect(
-            w.address, 1, insecure_loopback=True, timeout=30
-        ) as r:
+        with (
+            aioshmq.connect(w.name, 0, spin=0) as a,
+            aioshmq.connect(w.address, 1, insecure_loopback=True, timeout=30) as r,
+        ):
             for i in range(100):  # the remote reader reads none of them: it is evicted
                 w.put_sync(i, timeout=30)
                 assert a.get_sync(timeout=30) == i

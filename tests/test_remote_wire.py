@@ -14,11 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import aioshmq
-from aioshmq import _layout as L
-from aioshmq._errors import CorruptedError
-from aioshmq._layout import Layout, record_size
+from aioshmq.base.errors import CorruptedError
 from aioshmq.remote import _wire as W
 from aioshmq.remote._auth import Keys, secure_client, secure_server
+from aioshmq.ring import format as L
+from aioshmq.ring.format import Layout, record_size
 
 SECRET = b"test-secret-" + b"w" * 20
 LAYOUT = Layout(1 << 16, 64, 1)
@@ -168,8 +168,14 @@ async def test_a_hostile_writer_with_the_secret_gives_peer_died_not_a_crash() ->
             rid, hello = router.recv_multipart()
             assert json.loads(hello[1:])["reader"] == 0
             welcome: dict[str, Any] = {
-                "v": 1, "capacity": 1 << 16, "max_messages": 64, "readers": 1,
-                "serializer": "pickle", "pid": 4242, "host": "elsewhere", "heartbeat": 3.0,
+                "v": 1,
+                "capacity": 1 << 16,
+                "max_messages": 64,
+                "readers": 1,
+                "serializer": "pickle",
+                "pid": 4242,
+                "host": "elsewhere",
+                "heartbeat": 3.0,
                 "start": [0, 0],
             }
             router.send_multipart([rid, W.pack_json(W.WELCOME, welcome)])

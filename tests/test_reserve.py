@@ -334,7 +334,7 @@ async def test_a_reader_in_another_process(
 
 
 def test_reserved_bytes_load_as_a_bare_buffer_would() -> None:
-    from aioshmq._serialize import PickleSerializer
+    from aioshmq.serialize.pickling import PickleSerializer
 
     ser = PickleSerializer()
     main = ser.buffer_header()

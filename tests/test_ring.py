@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import aioshmq
-from aioshmq import _layout as L
+from aioshmq.ring import format as L
 
 pytestmark = pytest.mark.anyio
 
@@ -200,7 +200,7 @@ async def test_reader_joining_mid_message_skips_it() -> None:
 def test_reader_attaching_during_an_unpublished_batch_is_not_overrun() -> None:
     """The writer's room is counted from the published head, where a new reader starts,
     even while records written after it wait to be published."""
-    from aioshmq._ring import DETACHED, Frame
+    from aioshmq.ring.ring import DETACHED, Frame
 
     with aioshmq.create(capacity=4096, readers=1, serializer="raw") as w:
         ring, gate = w._ring, w._gate

@@ -16,14 +16,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import aioshmq
-from aioshmq import _layout as L
-from aioshmq import _ringcore
-from aioshmq._errors import CorruptedError
-from aioshmq._layout import Layout, record_size
-from aioshmq._switch import PURE_ENV
+from aioshmq.base.errors import CorruptedError
+from aioshmq.ring import format as L
+from aioshmq.ring import pure as _ringcore
+from aioshmq.ring.format import Layout, record_size
+from aioshmq.ring.switch import PURE_ENV
 
 try:
-    from aioshmq import _ringcore_c
+    from aioshmq.ring import compiled as _ringcore_c
 except ImportError:  # pragma: no cover - a machine without a compiler
     _ringcore_c = None  # type: ignore[assignment]
 
@@ -38,7 +38,7 @@ def test_the_compiled_core_uses_the_layout_of_the_pure_one() -> None:
 
 
 def test_the_switch_names_the_core_that_runs() -> None:
-    from aioshmq import _ring
+    from aioshmq.ring import ring as _ring
 
     forced = os.environ.get(PURE_ENV, "") not in ("", "0")
     if forced:
@@ -46,8 +46,8 @@ def test_the_switch_names_the_core_that_runs() -> None:
     elif _ringcore_c is not None:
         assert aioshmq.CORE == "compiled"
     compiled = aioshmq.CORE == "compiled"
-    assert (_ring.RingWriter.__mro__[1].__module__ == "aioshmq._ringcore_c") == compiled
-    assert (_ring.RingReader.__mro__[1].__module__ == "aioshmq._ringcore_c") == compiled
+    assert (_ring.RingWriter.__mro__[1].__module__ == "aioshmq.ring.compiled") == compiled
+    assert (_ring.RingReader.__mro__[1].__module__ == "aioshmq.ring.compiled") == compiled
 
 
 # -- the same bytes ---------------------------------------------------------------------------
@@ -220,7 +220,7 @@ def _set_tail(mem: bytearray, layout: Layout, slot: int, tail: int, count: int) 
 def test_both_cores_wait_for_the_slowest_slot_the_gate_waits_for(core: str) -> None:
     """The limits come from the slowest pending, attached or dead slot, never from a
     detached or evicted one, and never from beyond the published head."""
-    from aioshmq._gate import ATTACHED, DEAD, DETACHED, EVICTED, PENDING, Gate
+    from aioshmq.ring.gate import ATTACHED, DEAD, DETACHED, EVICTED, PENDING, Gate
 
     layout = Layout(8192, 50, 5)
     mem = _memory(layout)
@@ -246,7 +246,7 @@ def test_both_cores_wait_for_the_slowest_slot_the_gate_waits_for(core: str) -> N
 def test_both_cores_read_the_gate_under_its_lock(core: str) -> None:
     """The states are read only while the gate's lock is held, and the lock is let go even
     when a tail is found corrupted: the broker attaches a slot under the same lock."""
-    from aioshmq._gate import ATTACHED
+    from aioshmq.ring.gate import ATTACHED
 
     events: list[str] = []
 
@@ -291,7 +291,7 @@ def test_both_cores_read_the_gate_under_its_lock(core: str) -> None:
 def test_a_core_released_while_it_reads_the_gate_reads_no_more(core: str) -> None:
     """Python code run by the gate's states (here, an iterator that lets the memory go) may
     release the core midway: the next tail is not read, the call raises, the lock is free."""
-    from aioshmq._gate import ATTACHED, Gate
+    from aioshmq.ring.gate import ATTACHED, Gate
 
     layout = Layout(8192, 50, 2)
     mem = _memory(layout)
@@ -315,7 +315,7 @@ def test_both_cores_find_room_a_reader_freed_through_the_gate(core: str) -> None
     """A write that finds no room by the limits it knows reads the tails afresh, through
     the gate, and goes ahead once the reader has moved; a core without a gate asks its
     subclass."""
-    from aioshmq._gate import ATTACHED, Gate
+    from aioshmq.ring.gate import ATTACHED, Gate
 
     module = _module(core)
     layout = Layout(4096, 100, 1)
@@ -345,7 +345,7 @@ def test_put_buffer_lays_out_a_message_as_a_frame_does(
 ) -> None:
     """The one-call path for one out-of-band buffer writes the record the general path
     (``Frame``) would, which readers decode into the same main part and buffer."""
-    from aioshmq._ring import Frame, decode
+    from aioshmq.ring.ring import Frame, decode
 
     module = _ringcore if core == "pure" else _ringcore_c
     if module is None:
@@ -706,7 +706,7 @@ def test_put_object_writes_an_array_with_the_pickle_it_is_given_or_hands_it_back
     """A plain C-contiguous array whose stream pickle the serializer has made is written by
     ``put_object`` itself, as ``put_buffer`` writes the serializer's result; any other array
     comes back as ``()``, nothing written."""
-    from aioshmq._serialize import PickleSerializer
+    from aioshmq.serialize.pickling import PickleSerializer
 
     module = _ringcore if core == "pure" else _ringcore_c
     if module is None:
@@ -841,7 +841,7 @@ def test_put_object_pickles_with_the_dumps_it_is_given(core: str) -> None:
     """A serializer's own pickler (reducers registered) gives pickle.dumps's bytes for plain
     values, which the compiled core writes itself, and its reducers' for the rest; a dumps
     that does not say it pickles plain values as pickle does is called for every value."""
-    from aioshmq._serialize import PickleSerializer
+    from aioshmq.serialize.pickling import PickleSerializer
 
     module = _module(core)
     layout = Layout(1 << 20, 64, 1)
@@ -883,7 +883,7 @@ def test_put_object_pickles_with_the_dumps_it_is_given(core: str) -> None:
 def test_both_cores_pickle_to_the_same_bytes() -> None:
     """The compiled core writes plain values itself (aioshmq/_plainpickle.c) and leaves the
     rest to pickle; the pure core pickles everything: the rings come out the same."""
-    from aioshmq._bench._workload import small_object, small_objects
+    from benchmarks.workload import small_object, small_objects
 
     layout = Layout(1 << 20, 256, 1)
     word = "shared"

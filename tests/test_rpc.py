@@ -19,7 +19,7 @@ from conftest import Children, backend_name, run_backend
 
 import aioshmq
 from aioshmq import rpc
-from aioshmq._serialize import PickleSerializer
+from aioshmq.serialize.pickling import PickleSerializer
 
 pytestmark = pytest.mark.anyio
 

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.anyio
 def anyio_backend(request: pytest.FixtureRequest) -> Any:
     return request.param
 
+
 SECRET = b"test-secret-" + b"r" * 20
 HEARTBEAT = 1.5
 

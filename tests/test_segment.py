@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 import aioshmq
-from aioshmq import _segment
-from aioshmq._layout import Layout
+from aioshmq.memory import segment as _segment
+from aioshmq.ring.format import Layout
 
 RING = 256 << 20
 MiB = 1 << 20
@@ -294,8 +294,7 @@ def test_lookup_v1_under_a_container_mount_root(tmp_path: Path) -> None:
     bound = _segment.available_memory(**paths)
     assert bound == _segment.MemoryBound(
         200 * MiB,
-        f"memory cgroup v1 {tmp_path / top}: memory.limit_in_bytes {256 * MiB}, "
-        f"{56 * MiB} in use",
+        f"memory cgroup v1 {tmp_path / top}: memory.limit_in_bytes {256 * MiB}, {56 * MiB} in use",
     )
 
 
@@ -364,9 +363,7 @@ def test_lookup_unreadable_is_no_limit(tmp_path: Path) -> None:
 
 def test_refusal_names_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     source = "memory cgroup v2 /sys/fs/cgroup/job: memory.max 1048576, 0 in use"
-    monkeypatch.setattr(
-        _segment, "available_memory", lambda: _segment.MemoryBound(MiB, source)
-    )
+    monkeypatch.setattr(_segment, "available_memory", lambda: _segment.MemoryBound(MiB, source))
     size = Layout(4 * MiB, 1, 1).size
     with pytest.raises(MemoryError) as info:
         aioshmq.create(capacity=4 * MiB)
@@ -558,9 +555,7 @@ def test_attach_under_rlimit_as_is_memory_error() -> None:
         size = os.stat(_memfd_fd(os.getpid(), w.name)).st_size
         result = _under_rlimit_as(f"aioshmq.connect({w.name!r})")
         assert result["type"] == "MemoryError", result
-        assert result["message"].startswith(
-            f"cannot map the ring's {size} bytes of shared memory"
-        )
+        assert result["message"].startswith(f"cannot map the ring's {size} bytes of shared memory")
         assert result["cause"] == ["OSError", errno.ENOMEM]
         assert result["left"] == []
         with aioshmq.connect(w.name, timeout=10) as r:

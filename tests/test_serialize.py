@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import aioshmq
-from aioshmq._serialize import PickleSerializer, resolve
+from aioshmq.serialize.pickling import PickleSerializer, resolve
 
 pytestmark = pytest.mark.anyio
 
@@ -73,7 +73,7 @@ def test_array_pickles_reused_per_dtype_and_shape_load_as_pickle_would() -> None
 async def test_out_of_band_buffers_are_aligned_in_the_ring() -> None:
     with aioshmq.create(capacity=1 << 20) as w, aioshmq.connect(w.name) as r:
         await w.put(("x" * 3, np.arange(5, dtype=np.complex128)))
-        from aioshmq._ring import decode
+        from aioshmq.ring.ring import decode
 
         payload, kind, _ = r._ring.next()  # type: ignore[misc]
         _, buffers = decode(payload, kind)
@@ -364,7 +364,7 @@ def test_register_checks_its_arguments() -> None:
 
 async def test_cloudpickle_with_reducers_still_sends_lambdas() -> None:
     pytest.importorskip("cloudpickle")
-    from aioshmq._serialize import CloudpickleSerializer
+    from aioshmq.serialize.pickling import CloudpickleSerializer
 
     ser = CloudpickleSerializer(reducers={_Blob: _reduce_blob})
     with aioshmq.create(capacity=1 << 20, serializer=ser) as w, aioshmq.connect(w.name) as r:

@@ -8,7 +8,7 @@ import anyio
 import pytest
 
 import aioshmq
-from aioshmq._spin import PROBE, PROBE_EVERY, PROBE_EVERY_MOST, PROBE_MARGIN, SLEEP_WEIGHT, Spin
+from aioshmq.ends.spin import PROBE, PROBE_EVERY, PROBE_EVERY_MOST, PROBE_MARGIN, SLEEP_WEIGHT, Spin
 
 
 def test_misses_halve_the_budget_down_to_nothing_and_hits_grow_it_slowly() -> None:

@@ -13,7 +13,7 @@ import anyio
 import pytest
 
 import aioshmq
-from aioshmq._stat import format_view, observe, ring_names
+from aioshmq.cli.stat import format_view, observe, ring_names
 
 pytestmark = pytest.mark.anyio
 

@@ -16,8 +16,8 @@ import pytest
 from conftest import Children
 
 import aioshmq
-from aioshmq._stat import observe
-from aioshmq._stuck import Stuck
+from aioshmq.cli.stat import observe
+from aioshmq.ends.stuck import Stuck
 
 pytestmark = pytest.mark.anyio
 

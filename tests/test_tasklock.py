@@ -5,7 +5,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from aioshmq._tasklock import TaskLock
+from aioshmq.ends.tasklock import TaskLock
 
 pytestmark = pytest.mark.anyio
 

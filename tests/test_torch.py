@@ -22,11 +22,11 @@ from conftest import BACKENDS_ASYNCIO_FIRST, Children, backend_name, run_backend
 
 import aioshmq
 from aioshmq import rpc
-from aioshmq._serialize import PickleSerializer
+from aioshmq.serialize.pickling import PickleSerializer
 
 torch = pytest.importorskip("torch")
 
-from aioshmq import _torch  # noqa: E402  (needs torch)
+from aioshmq.serialize import tensors as _torch  # noqa: E402  (needs torch)
 
 pytestmark = pytest.mark.anyio
 
@@ -549,7 +549,7 @@ _NO_TORCH = textwrap.dedent(
             await w.put(t)
             got = await r.get()
             assert torch.equal(got, t) and got.stride() == t.stride()
-            assert "aioshmq._torch" in sys.modules
+            assert "aioshmq.serialize.tensors" in sys.modules
             print("then torch")
 
     anyio.run(main)

@@ -401,8 +401,8 @@ def test_a_death_signalled_just_before_the_writer_sleeps_is_seen(
     import multiprocessing
     import select
 
-    from aioshmq._notify import Notifier
-    from aioshmq._ring import DEAD
+    from aioshmq.memory.notify import Notifier
+    from aioshmq.ring.ring import DEAD
 
     ours, theirs = multiprocessing.get_context(method).Pipe()
     # No slow-reader warning: its timer would wake the sleep and hide a lost signal.

@@ -11,9 +11,9 @@ from typing import Any
 
 import zmq
 
-from .._errors import CorruptedError, busy
-from .._layout import Layout
-from .._writer import Writer
+from ..base.errors import CorruptedError, busy
+from ..ends.writer import Writer
+from ..ring.format import Layout
 from . import _wire as W
 from ._auth import Keys, secure_client
 

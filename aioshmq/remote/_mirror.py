@@ -11,13 +11,14 @@ from typing import Any
 
 import anyio
 
-from .. import _reader, _writer
-from .._errors import PeerDied, ReaderEvicted
-from .._handle import Handle
-from .._notify import NotifierKind
-from .._reader import Reader
-from .._serialize import SerializerSpec, resolve
-from .._writer import OnReaderDeath, Writer
+from ..base.errors import PeerDied, ReaderEvicted
+from ..ends import reader as _reader
+from ..ends import writer as _writer
+from ..ends.handle import Handle
+from ..ends.reader import Reader
+from ..ends.writer import OnReaderDeath, Writer
+from ..memory.notify import NotifierKind
+from ..serialize.pickling import SerializerSpec, resolve
 from ._auth import check_address, check_security
 from ._link import Link
 

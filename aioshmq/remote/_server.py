@@ -12,11 +12,11 @@ from typing import Any
 import anyio
 import zmq
 
-from .. import _reader
-from .._errors import CorruptedError, ReaderEvicted
-from .._layout import Layout
-from .._reader import Reader
-from .._ring import RingReader
+from ..base.errors import CorruptedError, ReaderEvicted
+from ..ends import reader as _reader
+from ..ends.reader import Reader
+from ..ring.format import Layout
+from ..ring.ring import RingReader
 from . import _wire as W
 from ._auth import ZAP_ENDPOINT, Keys, secure_server, zap_reply
 

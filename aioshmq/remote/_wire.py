@@ -6,9 +6,9 @@ import json
 import struct
 from typing import Any
 
-from .. import _layout as L
-from .._errors import CorruptedError
-from .._layout import Layout, record_size
+from ..base.errors import CorruptedError
+from ..ring import format as L
+from ..ring.format import Layout, record_size
 
 VERSION = 1
 

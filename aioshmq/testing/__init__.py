@@ -25,7 +25,8 @@ import anyio
 import pytest
 
 import aioshmq
-from aioshmq import rpc
+
+from .. import rpc
 
 __all__ = ["Processes", "Rings", "ring_memory", "rpc_client", "unique_name"]
 
@@ -198,7 +199,7 @@ def ring_memory() -> set[str]:
 
 
 def _open_ends() -> set[int]:
-    from aioshmq import _end
+    from ..ends import end as _end
 
     return {id(end) for end in _end._live if not end._closed}
 
@@ -223,7 +224,7 @@ def _aioshmq_leak_check(request: pytest.FixtureRequest) -> Iterator[None]:
         yield
         if _open_ends() - ends or ring_memory() - memory:
             gc.collect()  # what is only unreferenced goes now (and warns, if unclosed)
-    from aioshmq import _end
+    from ..ends import end as _end
 
     left = [end for end in _end._live if not end._closed and id(end) not in ends]
     mapped = sorted(ring_memory() - memory)

@@ -1,0 +1,2 @@
+"""What users call to open an end: ``create``, ``connect`` and ``aconnect``, for local rings
+and remote ones alike."""

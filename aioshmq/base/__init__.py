@@ -1,0 +1,1 @@
+"""The bottom layer: the exceptions aioshmq raises and its logger, used by every layer."""

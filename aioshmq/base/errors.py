@@ -1,0 +1,81 @@
+"""The exceptions and warnings aioshmq raises beyond anyio's own."""
+
+from __future__ import annotations
+
+import anyio
+
+from .log import log
+
+__all__ = [
+    "CorruptedError",
+    "Empty",
+    "Full",
+    "PeerDied",
+    "ReaderEvicted",
+    "SerializationError",
+    "UndeliveredWarning",
+    "busy",
+]
+
+
+class Full(anyio.WouldBlock):
+    """The ring has no room for the message now (for the slowest attached reader)."""
+
+
+class Empty(anyio.WouldBlock):
+    """No complete message is waiting for this reader now."""
+
+
+class PeerDied(anyio.BrokenResourceError):
+    """The process at the other end exited without closing its end."""
+
+    def __init__(self, message: str, *, role: str, pid: int, index: int | None = None) -> None:
+        super().__init__(message)
+        self.role = role
+        self.pid = pid
+        self.index = index
+
+
+class ReaderEvicted(anyio.BrokenResourceError):
+    """The writer stopped waiting for this reader, which had not advanced for the ring's
+    ``slow_reader_timeout``: messages after the last one it received are not delivered to it.
+    """
+
+    def __init__(self, message: str, *, index: int, timeout: float) -> None:
+        super().__init__(message)
+        self.index = index  #: the reader's slot
+        self.timeout = timeout  #: the writer's slow_reader_timeout, in seconds
+
+
+class CorruptedError(RuntimeError):
+    """The shared memory holds something no writer of this version could have written."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        # Logged where it is made, the compiled core's included: whoever catches it.  As
+        # text: a record holding the exception would keep its traceback's frames (and the
+        # ring memory they view) alive for as long as a handler keeps the record.
+        log.error("corruption: %s", str(self))
+
+
+class SerializationError(TypeError):
+    """An object could not be serialized; the serializer's own error is the ``__cause__``."""
+
+
+class UndeliveredWarning(UserWarning):
+    """A writer closed while messages waited for reader slots that no reader ever attached."""
+
+
+class _Busy(anyio.BusyResourceError):
+    # anyio's class words its argument as an action ("Another task is already <action> this
+    # resource"); ours are whole sentences.
+    def __init__(self, message: str) -> None:
+        Exception.__init__(self, message)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def busy(message: str) -> anyio.BusyResourceError:
+    """An ``anyio.BusyResourceError`` whose text is ``message`` as written."""
+    return _Busy(message)
