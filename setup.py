@@ -3,16 +3,31 @@
 from __future__ import annotations
 
 import os
+import runpy
 import sys
+from pathlib import Path
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
+HERE = Path(__file__).parent
+FORMAT = HERE / "aioshmq" / "ring" / "format.py"
+
 
 class OptionalBuildExt(build_ext):
-    """build_ext that leaves the pure core in place when the C core cannot be built."""
+    """build_ext that writes the core's ``format.h`` from ``aioshmq/ring/format.py`` (the
+    format is declared there alone), and leaves the pure core in place when the compiled
+    one cannot be built."""
 
     def run(self) -> None:
+        generated = Path(self.build_temp) / "aioshmq-format"
+        generated.mkdir(parents=True, exist_ok=True)
+        header = runpy.run_path(str(FORMAT))["c_header"]()
+        target = generated / "format.h"
+        if not target.exists() or target.read_text() != header:
+            target.write_text(header)
+        for ext in self.extensions:
+            ext.include_dirs.insert(0, str(generated))
         try:
             super().run()
         except Exception as exc:  # no compiler at all, no Python headers, ...
@@ -49,10 +64,9 @@ setup(
         Extension(
             "aioshmq.ring.compiled",
             ["aioshmq/ring/compiled.c", "aioshmq/ring/plainpickle.c"],
-            depends=["aioshmq/ring/plainpickle.h"],
+            depends=["aioshmq/ring/plainpickle.h", "aioshmq/ring/format.py"],
             extra_compile_args=FLAGS,
         ),
-        Extension("aioshmq.ends._cancel_c", ["aioshmq/ends/_cancel_c.c"], extra_compile_args=FLAGS),
     ],
     cmdclass={"build_ext": OptionalBuildExt},
 )

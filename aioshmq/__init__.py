@@ -13,8 +13,7 @@ from .base.errors import (
 )
 from .ends.handle import Handle
 from .ends.reader import Lease, Reader, ReaderStatistics
-from .ends.reserve import Reservation
-from .ends.writer import Writer, WriterStatistics
+from .ends.writer import Reservation, Writer, WriterStatistics
 from .ring.switch import CORE
 from .serialize.msgpack import MsgpackSerializer
 from .serialize.pickling import BufferSerializer, CloudpickleSerializer, PickleSerializer, Reducer

@@ -687,23 +687,37 @@ def test_drop_reader_never_drops_a_reader_attaching_meanwhile() -> None:
         readers: list[aioshmq.Reader[Any]] = []
         main = threading.get_ident()
 
-        class States(list[int]):
+        class Gate:
+            """The writer's gate, with a reader attaching just as drop_reader looks."""
+
             armed = True
 
-            def __getitem__(self, index: Any) -> Any:
-                state = super().__getitem__(index)
+            def __init__(self, gate: Any) -> None:
+                self.gate = gate
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(self.gate, name)
+
+            def __enter__(self) -> None:
+                self.gate.__enter__()
+
+            def __exit__(self, *exc_info: object) -> None:
+                self.gate.__exit__(*exc_info)
+
+            def state(self, index: int) -> int:
+                state: int = self.gate.state(index)
                 if self.armed and threading.get_ident() == main:
                     # drop_reader has just seen slot 1 free: a reader attaches right now.
                     self.armed = False
                     t = threading.Thread(target=lambda: readers.append(aioshmq.connect(w.name, 1)))
                     t.start()
                     t.join(1)  # a correct drop holds the slot: the attach waits for it
-                    States.attacher = t  # type: ignore[attr-defined]
+                    Gate.attacher = t  # type: ignore[attr-defined]
                 return state
 
-        w._gate.states = States(w._gate.states)
+        w._ring.gate = Gate(w._ring.gate)  # type: ignore[assignment]
         w.drop_reader(1)
-        States.attacher.join(30)  # type: ignore[attr-defined]
+        Gate.attacher.join(30)  # type: ignore[attr-defined]
         (r,) = readers
         with r:
             assert w.statistics().readers_attached == 1  # the reader that came was kept

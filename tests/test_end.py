@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 import aioshmq
+from aioshmq.ring import format as F
 from aioshmq.ring import format as L
 
 
@@ -172,7 +173,7 @@ async def test_wake_ups_nobody_waits_for_neither_spin_the_loop_nor_get_lost(
         thread = threading.Thread(target=lambda: got.append(r.get_sync(timeout=5)))
         thread.start()
         with anyio.fail_after(5):
-            while not r._ring.w[r._ring.r_sleep]:  # until the thread is asleep in get_sync
+            while not r._ring.w[F.reader_word_index(0, F.R_SLEEP)]:  # the thread sleeps in get_sync
                 await anyio.sleep(0.001)
         await w.put("z")
         await anyio.to_thread.run_sync(thread.join, 10)
@@ -372,24 +373,22 @@ async def test_ends_open_in_one_task_and_close_in_another(anyio_backend: object)
     assert w._closed and r._closed
 
 
-def _loop_check_answers() -> list[tuple[str, bool, bool]]:
-    """``in_event_loop`` (compiled or pure, as chosen) next to the pure function, in each
+def _loop_check_answers() -> dict[str, bool]:
+    """What ``in_event_loop`` (which every ``put_sync`` and ``get_sync`` asks) says in each
     state a thread can be in."""
     import anyio
 
-    from aioshmq.ends import end as _end
+    from aioshmq.ends.end import in_event_loop
 
-    check, pure = _end.in_event_loop, _end._in_event_loop
-    answers = [("no loop", check(), pure())]
+    answers = {"no loop": in_event_loop()}
 
     async def inside(name: str) -> None:
-        answers.append((name, check(), pure()))
-        here = await anyio.to_thread.run_sync(lambda: (check(), pure()))
-        answers.append((f"{name}'s worker thread", *here))
+        answers[name] = in_event_loop()
+        answers[f"{name}'s worker thread"] = await anyio.to_thread.run_sync(in_event_loop)
 
     anyio.run(inside, "asyncio", backend="asyncio")
     anyio.run(inside, "uvloop", backend="asyncio", backend_options={"use_uvloop": True})
-    answers.append(("after the loops", check(), pure()))
+    answers["after the loops"] = in_event_loop()
     return answers
 
 
@@ -403,28 +402,24 @@ _LOOP_CHECK_EXPECTED = {
 }
 
 
-def test_the_compiled_loop_check_answers_as_the_pure_one() -> None:
-    """Where the compiled core runs, ``in_event_loop`` (which every ``put_sync`` and
-    ``get_sync`` asks) is its twin of the pure function: the same answer everywhere, trio's
-    loop included (with trio imported it asks the pure function)."""
+def test_the_loop_check_knows_where_it_runs() -> None:
+    """The check is right in and out of asyncio's, uvloop's and trio's loops."""
     import anyio
 
-    from aioshmq.ends import end as _end
+    from aioshmq.ends.end import in_event_loop
 
-    if aioshmq.CORE == "compiled":
-        assert _end.in_event_loop is not _end._in_event_loop
     answers = _loop_check_answers()
 
-    async def in_trio() -> tuple[bool, bool]:
-        return _end.in_event_loop(), _end._in_event_loop()
+    async def in_trio() -> bool:
+        return in_event_loop()
 
-    answers.append(("trio", *anyio.run(in_trio, backend="trio")))
-    assert {name: a for name, a, b in answers if a is b} == {**_LOOP_CHECK_EXPECTED, "trio": True}
+    answers["trio"] = anyio.run(in_trio, backend="trio")
+    assert answers == {**_LOOP_CHECK_EXPECTED, "trio": True}
 
 
 def test_the_loop_check_without_trio_imported() -> None:
     """The same in a fresh interpreter (started by subprocess, so no start method applies)
-    where trio was never imported: the compiled twin then answers on its own."""
+    where trio was never imported."""
     import json
     import subprocess
     import sys
@@ -433,7 +428,7 @@ def test_the_loop_check_without_trio_imported() -> None:
         "import json, sys, test_end\n"
         "answers = test_end._loop_check_answers()\n"
         "assert 'trio' not in sys.modules, 'trio was imported'\n"
-        "print(json.dumps([answers, __import__('aioshmq').CORE]))\n"
+        "print(json.dumps(answers))\n"
     )
     root, path = os.path.dirname(os.path.dirname(aioshmq.__file__)), os.environ.get("PYTHONPATH")
     done = subprocess.run(
@@ -446,6 +441,4 @@ def test_the_loop_check_without_trio_imported() -> None:
         env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (root, path)))},
     )
     assert done.returncode == 0, done.stderr
-    answers, core = json.loads(done.stdout)
-    assert core == aioshmq.CORE
-    assert {name: a for name, a, b in answers if a is b} == _LOOP_CHECK_EXPECTED
+    assert json.loads(done.stdout) == _LOOP_CHECK_EXPECTED

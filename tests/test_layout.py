@@ -9,7 +9,7 @@ import pytest
 
 from aioshmq import CorruptedError
 from aioshmq.ring import format as L
-from aioshmq.ring.format import Layout
+from aioshmq.ring.layout import Layout
 
 
 def test_offsets() -> None:

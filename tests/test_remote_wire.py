@@ -18,7 +18,8 @@ from aioshmq.base.errors import CorruptedError
 from aioshmq.remote import _wire as W
 from aioshmq.remote._auth import Keys, secure_client, secure_server
 from aioshmq.ring import format as L
-from aioshmq.ring.format import Layout, record_size
+from aioshmq.ring.format import record_size
+from aioshmq.ring.layout import Layout
 
 SECRET = b"test-secret-" + b"w" * 20
 LAYOUT = Layout(1 << 16, 64, 1)

@@ -200,22 +200,24 @@ async def test_reader_joining_mid_message_skips_it() -> None:
 def test_reader_attaching_during_an_unpublished_batch_is_not_overrun() -> None:
     """The writer's room is counted from the published head, where a new reader starts,
     even while records written after it wait to be published."""
-    from aioshmq.ring.ring import DETACHED, Frame
+    from aioshmq.ring.format import DETACHED
+    from aioshmq.ring.layout import Frame
 
     with aioshmq.create(capacity=4096, readers=1, serializer="raw") as w:
-        ring, gate = w._ring, w._gate
-        gate.states[0] = DETACHED  # nobody is waited for
+        ring, gate, core = w._ring, w._ring.gate, w._ring.core
+        with gate:
+            gate.set(0, DETACHED)  # nobody is waited for
         frame = Frame(b"x" * 100, [])  # 128 bytes a record
         for _ in range(20):
             assert ring.try_write(frame)
-        ring.publish()
-        head = ring.head
+        core.publish()
+        head = core.head
         for _ in range(10):  # written, not published (a batch in progress)
             assert ring.try_write(frame)
         ring.attach(0)  # what the broker does for a reader attaching now: it starts at head
         while ring.try_write(frame):
             pass
-        assert ring.pos - head <= 4096, "the new reader's unread records were overwritten"
+        assert core.pos - head <= 4096, "the new reader's unread records were overwritten"
 
 
 async def test_closing_during_an_atomic_batch_publishes_none_of_it() -> None:
@@ -264,7 +266,12 @@ def _scribble(w: aioshmq.Writer[bytes], word: int, value: int) -> None:
 @pytest.mark.parametrize(
     ("word", "value", "match"),
     [
-        (0, (100 << 8) | 0x0E, "unknown record kind 14"),
+        (0, (100 << 8) | 0x0E, "unknown record kind 0xe"),
+        # A known kind with a flag it does not take, or a flag nobody takes: not a message.
+        (0, (100 << 8) | 0x42, "unknown record kind 0x42"),
+        (0, (100 << 8) | 0x82, "unknown record kind 0x82"),
+        (0, (100 << 8) | L.LAST | L.BATCH, "unknown record kind 0x25"),
+        (0, (96 << 8) | L.MSG | L.OOB, "buffer table claims 0 buffers"),
         (0, (1 << 40 << 8) | L.MSG, "past the end of the ring"),
         (0, (3000 << 8) | L.MSG, "past the head"),
         (0, (100 << 8) | L.PAD, "padding at position 0 of 100 bytes stops short"),
@@ -278,7 +285,9 @@ def test_scribbled_record(word: int, value: int, match: str) -> None:
             w.put_nowait(b"f" * 3000)  # fragments: the first one's aux word is the total
         else:
             w.put_nowait(b"m" * 100)
-            if "buffer table" in match:
+            if "buffer table claims 0" in match:
+                w._seg.data[16:24] = (0).to_bytes(8, "little")
+            elif "buffer table" in match:
                 w._seg.data[16:24] = (1 << 50).to_bytes(8, "little")
         _scribble(w, word, value)
         with pytest.raises(aioshmq.CorruptedError, match=match):

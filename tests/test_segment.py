@@ -18,7 +18,7 @@ import pytest
 
 import aioshmq
 from aioshmq.memory import segment as _segment
-from aioshmq.ring.format import Layout
+from aioshmq.ring.layout import Layout
 
 RING = 256 << 20
 MiB = 1 << 20

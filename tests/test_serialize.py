@@ -73,9 +73,9 @@ def test_array_pickles_reused_per_dtype_and_shape_load_as_pickle_would() -> None
 async def test_out_of_band_buffers_are_aligned_in_the_ring() -> None:
     with aioshmq.create(capacity=1 << 20) as w, aioshmq.connect(w.name) as r:
         await w.put(("x" * 3, np.arange(5, dtype=np.complex128)))
-        from aioshmq.ring.ring import decode
+        from aioshmq.ring.layout import decode
 
-        payload, kind, _ = r._ring.next()  # type: ignore[misc]
+        payload, kind, _, _ = r._ring.next()  # type: ignore[misc]
         _, buffers = decode(payload, kind)
         base = np.frombuffer(r._seg.data, dtype=np.uint8).ctypes.data
         offset = np.frombuffer(buffers[0], dtype=np.uint8).ctypes.data - base

@@ -402,7 +402,7 @@ def test_a_death_signalled_just_before_the_writer_sleeps_is_seen(
     import select
 
     from aioshmq.memory.notify import Notifier
-    from aioshmq.ring.ring import DEAD
+    from aioshmq.ring.format import DEAD
 
     ours, theirs = multiprocessing.get_context(method).Pipe()
     # No slow-reader warning: its timer would wake the sleep and hide a lost signal.
@@ -419,7 +419,7 @@ def test_a_death_signalled_just_before_the_writer_sleeps_is_seen(
                 drain(self)  # whatever was pending, so that what comes next is the death's
                 proc.kill()  # the broker sees it and signals this very fd: wait for that
                 assert select.select([self.read_fd], [], [], 30)[0]
-                assert w._gate.states[0] == DEAD
+                assert w._ring.gate.state(0) == DEAD
             drain(self)
 
         monkeypatch.setattr(Notifier, "drain", drain_after_a_death)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 if sys.version_info >= (3, 13):
@@ -17,14 +17,11 @@ import anyio
 from .. import remote
 from ..ends import reader as _reader
 from ..ends import writer as _writer
-from ..ends.end import End
 from ..ends.handle import Handle
 from ..ends.reader import DEFAULT_SPIN, Reader
-from ..ends.tasklock import TaskLock
 from ..ends.writer import OnReaderDeath, Writer
 from ..memory.notify import NotifierKind
-from ..ring import switch as _switch
-from ..serialize.pickling import PickleSerializer, SerializerSpec
+from ..serialize.pickling import SerializerSpec
 
 REMOTE = ("tcp://", "ipc://")
 DEFAULT_HEARTBEAT = 3.0
@@ -251,38 +248,3 @@ async def aconnect(
             for late in done:
                 late.close()
         raise
-
-
-# The pure put_sync and get_sync, whichever the classes carry (tests compare the two).
-PURE_SYNC: tuple[Callable[..., None], Callable[..., Any]] = (Writer.put_sync, Reader.get_sync)
-PURE_ASYNC: tuple[Callable[..., Any], Callable[..., Any]] = (Writer.put, Reader.get)
-
-
-def _compiled_sync() -> None:
-    """Under the compiled core, ``put``, ``get``, ``put_sync`` and ``get_sync`` are their C
-    twins (``aioshmq._cancel_c``): each makes the pure method's checks and the ring core's
-    call, and hands everything else to the pure method, which stays the reference."""
-    if not _switch.COMPILED:
-        return
-    try:
-        from ..ends import _cancel_c
-    except ImportError:  # built before it existed: the pure methods serve
-        return
-    put, get = _cancel_c.setup_sync(
-        End,
-        Writer,
-        Reader,
-        TaskLock,
-        PickleSerializer,
-        Writer.put_sync,
-        Reader.get_sync,
-        _reader._EMPTY,
-    )
-    Writer.put_sync = put  # type: ignore[method-assign]
-    Reader.get_sync = get  # type: ignore[method-assign]
-    put, get = _cancel_c.setup_async(End, Writer.put, Reader.get)
-    Writer.put = put  # type: ignore[method-assign]
-    Reader.get = get  # type: ignore[method-assign]
-
-
-_compiled_sync()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 
 from .log import log
@@ -31,9 +33,12 @@ class PeerDied(anyio.BrokenResourceError):
 
     def __init__(self, message: str, *, role: str, pid: int, index: int | None = None) -> None:
         super().__init__(message)
-        self.role = role
+        self.role = role  #: "writer", "reader" or "worker"
         self.pid = pid
-        self.index = index
+        self.index = index  #: the reader slot (or worker rank), where one is meant
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild, (type(self), self.args, self.__dict__)
 
 
 class ReaderEvicted(anyio.BrokenResourceError):
@@ -41,10 +46,32 @@ class ReaderEvicted(anyio.BrokenResourceError):
     ``slow_reader_timeout``: messages after the last one it received are not delivered to it.
     """
 
-    def __init__(self, message: str, *, index: int, timeout: float) -> None:
+    def __init__(
+        self, ring: str, index: int, timeout: float, *, message: str | None = None
+    ) -> None:
+        if message is None:
+            message = (
+                f"reader {index} of ring {ring!r} was evicted by its writer: it had not "
+                f"advanced for {timeout:g} s (the ring's slow_reader_timeout) while a put waited "
+                "for it, so the writer stopped keeping messages for it.  Close this reader; a "
+                "new connect to the slot starts with the next message put"
+            )
         super().__init__(message)
+        self.ring = ring  #: the ring's name
         self.index = index  #: the reader's slot
         self.timeout = timeout  #: the writer's slow_reader_timeout, in seconds
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild, (type(self), self.args, self.__dict__)
+
+
+def _rebuild(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> Any:
+    """An exception unpickled: its message and attributes as they were, without calling the
+    constructor (whose arguments are not its ``args``)."""
+    exc = cls.__new__(cls)
+    exc.args = args
+    exc.__dict__.update(state)
+    return exc
 
 
 class CorruptedError(RuntimeError):

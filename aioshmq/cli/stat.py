@@ -14,7 +14,7 @@ from typing import Any
 
 from ..ends.broker import OBSERVE, _reach, check_name, peer_credentials
 from ..ring import format as L
-from ..ring.format import Layout
+from ..ring.layout import Layout
 
 _STATES = {"p": "pending", "a": "attached", "d": "detached", "x": "dead", "e": "evicted"}
 _CLOSED = {0: "open", L.CLOSED_END: "closed", L.CLOSED_BROKEN: "closed (source lost)"}

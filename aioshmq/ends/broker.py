@@ -27,8 +27,7 @@ from typing import Any
 from ..base.errors import busy
 from ..base.log import log
 from ..memory.notify import Notifier, NotifierKind
-from ..ring import gate as _gate
-from ..ring.gate import DEAD
+from ..ring import format as F
 from ..ring.ring import RingWriter
 
 PREFIX = "\0aioshmq/"
@@ -306,14 +305,13 @@ class Broker:
         what only this process knows of its slots; no slot changes hands."""
         holders = {c.index: c for c in self._conns if c.attached}
         letters = {
-            _gate.PENDING: "p",
-            _gate.ATTACHED: "a",
-            _gate.DETACHED: "d",
-            DEAD: "x",
-            _gate.EVICTED: "e",
+            F.PENDING: "p",
+            F.ATTACHED: "a",
+            F.DETACHED: "d",
+            F.DEAD: "x",
+            F.EVICTED: "e",
         }
-        with self.ring.gate.lock:
-            states = "".join(letters.get(state, "?") for state in self.ring.gate.states)
+        states = "".join(letters.get(state, "?") for state in self.ring.gate.states())
         pids, peers = [], {}
         for index in range(len(states)):
             holder = holders.get(index)
@@ -371,7 +369,7 @@ class Broker:
         assert index is not None
         state, dead_pid = conn.prior
         self.ring.restore(index, state)
-        if state == DEAD:
+        if state == F.DEAD:
             self._dead_pids[index] = dead_pid
         self._drop(sel, conn)
         self.on_change()
@@ -401,7 +399,7 @@ class Broker:
             self._dead_pids[index] = conn.pid
             self._dead_peers[index] = conn.peer
         prior = self.ring.leave(index, dead)
-        if prior == _gate.EVICTED:
+        if prior == F.EVICTED:
             self._dead_pids.pop(index, None)
             self._dead_peers.pop(index, None)
             log.info(

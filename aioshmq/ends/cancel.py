@@ -2,57 +2,79 @@
 
 An end's ``put`` or ``get`` that finds room or a message never has to wait, yet anyio's
 contract (its memory streams, trio's channels) is that an ``await`` in a cancelled scope
-raises before it does anything.  anyio's ``checkpoint_if_cancelled()`` gives that, but finds
-the running backend on every call and, on asyncio under Python 3.11, looks the current task
-up through Python-level helpers: about 1.2 us here, half the cost of a whole put.
-``pending_checkpoint()`` answers the same question from anyio's own task state in about
-0.3 us: is a cancel scope around the current task cancelled, up to the first shield?  Where
-that state is not what it expects (another anyio version, trio guest mode), it hands back
-anyio's public function instead, so the answer is never wrong, only slower.
+raises before it does anything.  ``pending_checkpoint()`` answers whether it must: is a
+scope around the current task cancelled, or past its deadline, up to the first shield?  It
+returns what to await then (which raises the cancellation), or None.
+
+anyio's public answer, ``current_effective_deadline()`` compared with ``current_time()``,
+finds the running backend and, on asyncio under Python 3.11, the current task through
+Python-level helpers on every call: about 1.2 us here, more than the rest of a put.  So on
+asyncio, with an anyio whose internals this module was written and tested against
+(``ANYIO_TESTED``), it reads anyio's own record of the task's cancel scopes instead, as
+anyio's ``checkpoint_if_cancelled`` does, in a fraction of that.  With any other anyio, or
+wherever that record is not what it expects, it uses the public API, so the answer is never
+wrong, only slower.  This is the one module that reads anyio's internals.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
+import math
 import sys
 import threading
 import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from anyio.lowlevel import checkpoint, checkpoint_if_cancelled
+import anyio
+from anyio.lowlevel import checkpoint
 
-from ..ring import switch as _switch
-
-__all__ = ["current_task", "pending_checkpoint"]
+__all__ = ["ANYIO_TESTED", "current_task", "pending_checkpoint", "use_internals"]
 
 Checkpoint = Callable[[], Awaitable[None]]
 
+# The anyio releases whose asyncio backend keeps, for each task, a TaskState whose
+# ``cancel_scope`` is the innermost CancelScope, each with ``_cancel_called``, ``_shield``,
+# ``_deadline`` and ``_parent_scope`` (anyio's checkpoint_if_cancelled reads the same).
+ANYIO_TESTED = ((4, 10), (4, 16))  # first and last minor release, both included
+
+_get_ident = threading.get_ident
 _get_running_loop = asyncio.events._get_running_loop
 _current_tasks: dict[Any, Any] | None = getattr(asyncio.tasks, "_current_tasks", None)
 _current_task: Callable[[Any], Any] = (
     _current_tasks.get if _current_tasks is not None else asyncio.current_task
 )
 current_task = _current_task  # the task a loop runs now, without a getpid()
-
-_states: Any
-_types: tuple[Any, Any] = (None, None)  # anyio's TaskState and CancelScope (asyncio backend)
-try:  # anyio's per-task record of the innermost cancel scope (asyncio backend)
-    from anyio._backends._asyncio import CancelScope as _Scope
-    from anyio._backends._asyncio import TaskState as _State
-    from anyio._backends._asyncio import _task_states as _states
-
-    _types = (_State, _Scope)
-except ImportError:  # pragma: no cover - another anyio: the public function serves
-    _states = None
+_INF = math.inf
 
 
-# The running loop a thread found last, with that thread's id and whether the loop says which
-# thread runs it: asyncio's own lookup makes a getpid() system call every time (to notice a
-# fork), about a tenth of a put here.  A thread runs one loop at a time, so while that loop
-# has a current task in this thread, it is this thread's loop.  One tuple, replaced whole:
-# a thread never reads another's loop with its own id.
-_get_ident = threading.get_ident
+def _anyio_version() -> tuple[int, int]:
+    try:
+        major, minor = importlib.metadata.version("anyio").split(".")[:2]
+        return int(major), int(minor)
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return (0, 0)
+
+
+def _task_states() -> Any:
+    """anyio's per-task record of the innermost cancel scope, if this anyio is one tested."""
+    if not ANYIO_TESTED[0] <= _anyio_version() <= ANYIO_TESTED[1] or _current_tasks is None:
+        return None
+    try:
+        from anyio._backends._asyncio import _task_states as states
+    except ImportError:
+        return None
+    return states
+
+
+_states: Any = _task_states()
+_on = [_states is not None]  # read on every call: whether the internals are in use
+
+# The running loop a thread found last, with that thread's id: asyncio's own lookup makes a
+# getpid() system call every time on Python 3.11 (to notice a fork).  A thread runs one loop
+# at a time, so while that loop has a current task in this thread, it is this thread's loop.
+# One tuple, replaced whole: a thread never reads another's loop with its own id.
 _seen: list[tuple[int, Any, bool]] = [(0, None, False)]
 
 # Tasks looked up lately, and their anyio states: anyio keeps them in a WeakKeyDictionary,
@@ -60,15 +82,51 @@ _seen: list[tuple[int, Any, bool]] = [(0, None, False)]
 # use an end (a pinging and an echoing one, say) ask again and again.  A state lives as
 # long as its task, so one found for a live task is still its own.
 _CACHED = 64
-_cache: dict[int, tuple[Any, Any]] = {}  # id(task) -> (weakref to the task, its TaskState)
-_fast = [_states is not None]  # whether anyio's task state is usable here (read, never written)
+_cache: dict[int, tuple[weakref.ref[Any], Any]] = {}
 
 
-def _pending_checkpoint() -> Checkpoint | None:
+def use_internals(on: bool) -> bool:
+    """Read anyio's internals (if this anyio is one tested) or always use its public API;
+    returns whether the internals are now in use.  For tests of both paths."""
+    _on[0] = on and _states is not None
+    _cache.clear()
+    return _on[0]
+
+
+async def _deadline_passed() -> None:
+    """A checkpoint for a scope whose deadline passed before its timer ran: asyncio runs a
+    task that yields before the timers due, so the first checkpoint may return; by the
+    second the timer has cancelled the scope."""
+    await checkpoint()
+    await checkpoint()
+
+
+def _public() -> Checkpoint | None:
+    """The answer from anyio's public API (any backend, any version, outside a loop too)."""
+    try:
+        deadline = anyio.current_effective_deadline()
+    except Exception:  # outside an event loop: let anyio's checkpoint say so
+        return checkpoint
+    if deadline == -_INF:
+        return checkpoint
+    if deadline <= anyio.current_time():
+        return _deadline_passed
+    return None
+
+
+def _trio() -> Checkpoint | None:
+    trio = sys.modules["trio"]
+    deadline = trio.current_effective_deadline()
+    if deadline != _INF and deadline <= trio.current_time():
+        return trio.lowlevel.checkpoint  # type: ignore[no-any-return]
+    return None
+
+
+def pending_checkpoint() -> Checkpoint | None:
     """What to await so that a pending cancellation is raised now, or None if none is.
 
-    Never yields to the event loop unless the current task is cancelled.  The reference:
-    the compiled twin answers the common case itself and calls this for the rest.
+    Never yields to the event loop unless a scope around the current task is cancelled or
+    past its deadline.
     """
     tid = _get_ident()
     seen_tid, loop, says_thread = _seen[0]
@@ -84,14 +142,14 @@ def _pending_checkpoint() -> Checkpoint | None:
             _seen[0] = (0, None, False)
             trio = sys.modules.get("trio")
             if trio is not None and trio.lowlevel.in_trio_run():
-                return trio.lowlevel.checkpoint_if_cancelled  # type: ignore[no-any-return]
-            return checkpoint_if_cancelled  # raises anyio's NoEventLoopError outside a loop
+                return _trio()
+            return _public()
         _seen[0] = (tid, loop, hasattr(loop, "_thread_id"))
         task = _current_task(loop)
-        if task is None:  # not an asyncio task (trio in guest mode): let anyio decide
-            return checkpoint_if_cancelled
-    if not _fast[0]:  # anyio's internals are not what this expects
-        return checkpoint_if_cancelled
+        if task is None:  # not an asyncio task (trio in guest mode): anyio decides
+            return _public()
+    if not _on[0]:
+        return _public()
     entry = _cache.get(id(task))
     if entry is not None and entry[0]() is task:
         state = entry[1]
@@ -107,26 +165,13 @@ def _pending_checkpoint() -> Checkpoint | None:
         while scope is not None:
             if scope._cancel_called:
                 return checkpoint
+            if scope._deadline != _INF and scope._deadline <= loop.time():
+                scope.cancel()  # what its timer, due but not run yet, is about to do
+                return checkpoint
             if scope._shield:
                 return None
             scope = scope._parent_scope
-    except AttributeError:  # anyio's internals moved: its public function from now on
-        _fast[0] = False
-        return checkpoint_if_cancelled
+    except AttributeError:  # anyio's internals are not what they were: its public API
+        _on[0] = False
+        return _public()
     return None
-
-
-def _compiled() -> Callable[[], Checkpoint | None] | None:
-    """The compiled twin of ``_pending_checkpoint``, set up to read this module's state, if
-    the compiled core runs (``_switch``)."""
-    if not _switch.COMPILED or _current_tasks is None:
-        return None
-    try:
-        from . import _cancel_c
-    except ImportError:  # built before it existed: the pure check serves
-        return None
-    _cancel_c.setup(_seen, _current_tasks, _cache, _fast, checkpoint, _pending_checkpoint, *_types)
-    return _cancel_c.pending_checkpoint
-
-
-pending_checkpoint: Callable[[], Checkpoint | None] = _compiled() or _pending_checkpoint

@@ -19,7 +19,7 @@ import anyio
 from anyio.lowlevel import checkpoint
 
 from ..memory.notify import Notifier
-from ..ring import switch as _switch
+from .cancel import Checkpoint, pending_checkpoint
 from .cancel import current_task as _current_task
 from .tasklock import TaskLock
 
@@ -30,6 +30,7 @@ LOOP_LOOK = 0.01  # s: how often that wait looks whether the loop it waits for h
 _live: weakref.WeakSet[End] = weakref.WeakSet()
 _tokens = itertools.count()
 _get_ident = threading.get_ident
+_monotonic = time.monotonic
 
 
 def _after_fork_in_child() -> None:
@@ -51,20 +52,7 @@ def _in_event_loop(
     return trio is not None and bool(trio.lowlevel.in_trio_run())
 
 
-def _compiled_in_event_loop() -> Callable[[], bool] | None:
-    """The compiled twin of ``_in_event_loop`` (every put_sync and get_sync asks), if the
-    compiled core runs; it calls the pure function wherever trio is imported."""
-    if not _switch.COMPILED:
-        return None
-    try:
-        from . import _cancel_c
-    except ImportError:  # built before it existed: the pure check serves
-        return None
-    _cancel_c.setup_loop_check(asyncio.events._get_running_loop, sys.modules, _in_event_loop)
-    return _cancel_c.in_event_loop
-
-
-in_event_loop: Callable[[], bool] = _compiled_in_event_loop() or _in_event_loop
+in_event_loop = _in_event_loop
 
 
 class End:
@@ -113,13 +101,7 @@ class End:
 
     def _check(self) -> None:
         if self._closed:
-            if self._forked:
-                raise anyio.ClosedResourceError(
-                    f"this aioshmq {self._role} was inherited through fork from process "
-                    f"{self._pid} and cannot be used here: pass the ring's handle (or name) "
-                    "to the child and call aioshmq.connect() there"
-                )
-            raise anyio.ClosedResourceError(f"this aioshmq {self._role} is closed")
+            raise self._closed_error()
 
     def _release(self, *, clean: bool) -> None:
         """Give every resource back; ``clean`` is False in a forked child."""
@@ -203,7 +185,14 @@ class End:
         return True
 
     def _closed_error(self) -> anyio.ClosedResourceError:
-        return anyio.ClosedResourceError(f"this aioshmq {self._role} was closed")
+        """What any call of a closed end raises (one inherited through fork says so)."""
+        if self._forked:
+            return anyio.ClosedResourceError(
+                f"this aioshmq {self._role} was inherited through fork from process "
+                f"{self._pid} and cannot be used here: pass the ring's handle (or name) to "
+                "the child and call aioshmq.connect() there"
+            )
+        return anyio.ClosedResourceError(f"this aioshmq {self._role} is closed")
 
     def _unregister_in_loop(
         self, loop: asyncio.AbstractEventLoop, waiter: asyncio.Future[None] | None
@@ -272,12 +261,17 @@ class End:
 
     # -- waiting ---------------------------------------------------------------------------
 
-    async def _pace(self) -> None:
-        """A checkpoint at most every YIELD_INTERVAL, so a never-waiting loop stays fair."""
-        now = time.monotonic()
+    def _due(self) -> Checkpoint | None:
+        """What an async call must await before it takes or publishes anything, if anything:
+        a checkpoint at most every YIELD_INTERVAL, so a loop that never has to wait stays
+        fair to its other tasks, or the pending cancellation of a scope around the task."""
+        if (pending := pending_checkpoint()) is not None:
+            return pending
+        now = _monotonic()
         if now >= self._next_yield:
-            await checkpoint()  # outside an event loop this raises anyio's NoEventLoopError
             self._next_yield = now + YIELD_INTERVAL
+            return checkpoint  # outside an event loop this raises anyio's NoEventLoopError
+        return None
 
     def _drain(self) -> None:
         """Clear wake-ups left from earlier sleeps before announcing a new one.

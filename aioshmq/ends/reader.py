@@ -19,8 +19,8 @@ from ..base.errors import CorruptedError, Empty, PeerDied, busy
 from ..base.log import log
 from ..memory.segment import Segment
 from ..ring import format as L
-from ..ring.format import Layout
-from ..ring.ring import RingReader, decode
+from ..ring.layout import Layout, decode
+from ..ring.ring import RingReader
 from ..serialize.pickling import SerializerSpec, resolve
 from .broker import BYE, Attachment, check_name, confirm, pidfd_of, request
 from .cancel import pending_checkpoint
@@ -31,6 +31,7 @@ from .spin import Spin
 T = TypeVar("T")
 
 _EMPTY: Any = object()
+_monotonic = time.monotonic
 BYE_TIMEOUT = 1.0
 DEFAULT_SPIN = 0.0002  # per wait: an idle reader spends at most this once per message
 
@@ -189,6 +190,7 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
             self._wait_fd = self._epoll.fileno()
             confirm(att, name)  # from here on the slot is this reader's
             self._ring = RingReader(self._seg, self._layout, index, self._writer_wake, name)
+            self._core = self._ring.core
         except BaseException:
             if self._epoll is not None:
                 self._epoll.close()
@@ -241,17 +243,17 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         if self._deferred is not None:
             exc, self._deferred = self._deferred, None
             raise exc
-        ring = self._ring
+        ring, core = self._ring, self._core
         msg = ring.next()
         if msg is None:
-            if ring.tail != ring.shown_tail:
-                ring.publish()  # fragments were read: let the writer reuse their room
+            if core.tail != core.shown_tail:
+                core.publish()  # fragments were read: let the writer reuse their room
             if ring.closed():
                 if ring.broken():
                     raise self._cut_off()
                 raise anyio.EndOfStream
             return _EMPTY
-        payload, kind, size = msg
+        payload, kind, size, count = msg
         try:
             if lease is not None and not kind & L.BATCH:
                 # Read-only views: what one reader leases, the others may still be reading.
@@ -267,10 +269,11 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
                     buffers = [bytearray(b) for b in buffers]  # type: ignore[misc]
                 obj = self._ser.loads(main, buffers)
         finally:
-            count = ring.messages
-            ring.consume(size)
+            if self._closed:  # by the message's own code, or another thread: hands off
+                raise self._closed_error()
+            ring.consume(size, count)
             if publish:
-                ring.publish()
+                core.publish()
         self._messages += 1
         self._bytes += len(payload)
         if kind & L.BATCH:  # a pickled list of messages: hand them out one by one
@@ -290,7 +293,7 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
             alive = False
         if alive and self._pidfd >= 0:
             alive = not _readable(self._pidfd, 0)
-        if not alive and not self._ring.available() and not self._ring.closed():
+        if not alive and not self._core.available() and not self._ring.closed():
             if not self._death_logged:
                 self._death_logged = True
                 log.warning(
@@ -326,7 +329,7 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
 
     async def _wait(self) -> None:
         """Wait for a message or the writer's end (spinning, or asleep on the wait fd)."""
-        ring = self._ring
+        core = self._core
         spin = self._spin_budget()
         if spin:
             # Yield to the loop (never block it) for a moment: when messages come fast,
@@ -335,7 +338,7 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
             while True:
                 await checkpoint()
                 self._check()
-                if ring.available() or ring.w[ring.w_closed]:
+                if core.available() or self._ring.ended():
                     self._spinner.hit()
                     return
                 if time.monotonic() >= deadline:
@@ -352,16 +355,16 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
             self._drain()
             if self._closed:  # its close wake-up was just drained: never sleep now
                 self._check()
-            if not ring.prepare_sleep():
+            if not core.prepare_sleep():
                 return
             start = time.monotonic()
             try:
                 await self._sleep()
             finally:
                 if not self._closed:  # closed meanwhile: never touch the ring again
-                    ring.end_sleep()
+                    core.end_sleep()
             self._check()
-            if not ring.available():
+            if not core.available():
                 self._writer_gone()
             else:
                 self._spinner.slept(time.monotonic() - start)
@@ -370,28 +373,28 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
                 self._unhold(token)
 
     def _wait_sync(self, deadline: float | None) -> None:
-        ring = self._ring
+        core = self._core
         token = self._hold(False)  # first: a close from another thread keeps the mapping
         try:
             spin = self._spin_budget()
             if spin:
                 # No loop to yield to: watch the ring for a moment before sleeping (without
                 # the GIL, with the compiled core: other threads run meanwhile).
-                if ring.spin(spin):
+                if core.spin(spin):
                     self._spinner.hit()
                     return
                 self._spinner.miss()
             self._wake.drain()
             if self._closed:  # its close wake-up was just drained: never sleep now
                 self._check()
-            if ring.prepare_sleep():
+            if core.prepare_sleep():
                 start = time.monotonic()
                 try:
                     self._sleep_sync(deadline)
                 finally:
-                    ring.end_sleep()
+                    core.end_sleep()
                 self._check()
-                if not ring.available():
+                if not core.available():
                     self._writer_gone()
                 else:
                     self._spinner.slept(time.monotonic() - start)
@@ -430,62 +433,70 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
 
         A cancelled scope makes it raise before it takes anything, message or not.
         """
-        if self._closed:
-            self._check()
-        lock, ring = self._lock, self._ring
-        if time.monotonic() >= self._next_yield:
-            await self._pace()
-            self._check()
-        elif (cancelled := pending_checkpoint()) is not None:
-            await cancelled()
-        looked = False  # found the ring empty: wait before looking again
-        if not lock.held:
-            if not self._pending and self._deferred is None:
-                obj = ring.get_plain(self._loads_plain, _EMPTY)
-                if obj is not _EMPTY:
-                    return obj  # type: ignore[no-any-return]
-                looked = ring.tail == ring.head
-            if not looked:
-                obj = self._poll()
-                if obj is not _EMPTY:
-                    return obj  # type: ignore[no-any-return]
-            try:
-                lock.acquire_nowait()
-            except anyio.WouldBlock:
-                await lock.acquire()
-                looked = False
-        else:
-            await lock.acquire()
-            looked = False
-        try:
-            while True:
-                if looked:
-                    await self._wait()
-                    # A message after a sleep is most often a plain one: the one-call path.
-                    if not self._pending and self._deferred is None:
-                        obj = ring.get_plain(self._loads_plain, _EMPTY)
-                        if obj is not _EMPTY:
-                            return obj  # type: ignore[no-any-return]
-                obj = self._poll()
-                if obj is not _EMPTY:
-                    return obj  # type: ignore[no-any-return]
-                looked = True
-        finally:
-            lock.release()
+        if (obj := self._take()) is _EMPTY:
+            obj = await self._receive()
+        return obj  # type: ignore[no-any-return]
 
     receive = get  # the anyio stream interface: the same function, so no extra frame
 
     async def __anext__(self) -> T:
         """``async for msg in reader``: every message until the writer closes."""
+        if (obj := self._take()) is _EMPTY:
+            try:
+                obj = await self._receive()
+            except anyio.EndOfStream:
+                raise StopAsyncIteration from None
+        return obj  # type: ignore[no-any-return]
+
+    def _take(self) -> Any:
+        """The next message if it is a plain one in the ring, and nothing is to be awaited
+        first (a pace, a pending cancellation) or handed out before it; else _EMPTY, and
+        ``_receive`` does the rest.  The common case of ``get``, in one call."""
+        if (
+            self._closed
+            or self._lock.held
+            or self._pending
+            or self._deferred is not None
+            or _monotonic() >= self._next_yield
+            or pending_checkpoint() is not None
+        ):
+            return _EMPTY
         try:
-            return await self.get()
-        except anyio.EndOfStream:
-            raise StopAsyncIteration from None
+            return self._core.get_plain(self._loads_plain, _EMPTY)
+        except ValueError:
+            if self._closed:  # closed meanwhile, from the message's own code
+                raise self._closed_error() from None
+            raise
+
+    async def _receive(self) -> Any:
+        """``get`` after ``_take`` found nothing it could hand out at once."""
+        self._check()
+        if (due := self._due()) is not None:
+            await due()
+            self._check()
+        async with self._lock:
+            while (obj := self._poll()) is _EMPTY:
+                await self._wait()
+                # A message after a sleep is most often a plain one: the one-call path.
+                if not self._pending and self._deferred is None:
+                    obj = self._get_plain()
+                    if obj is not _EMPTY:
+                        return obj
+            return obj
+
+    def _get_plain(self) -> Any:
+        """The core's ``get_plain``: a closed reader's released memory is ClosedResourceError."""
+        try:
+            return self._core.get_plain(self._loads_plain, _EMPTY)
+        except ValueError:
+            if self._closed:  # closed meanwhile (another thread, or the message's own code)
+                raise self._closed_error() from None
+            raise
 
     def get_nowait(self) -> T:
         """The next message if one is complete now, else raise Empty."""
         self._check()
-        if self._lock.locked():
+        if self._lock.held:
             raise Empty("tasks are already waiting to receive from this reader")
         obj = self._poll()
         if obj is _EMPTY:
@@ -499,21 +510,17 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
             isinstance(max_messages, bool) or not isinstance(max_messages, int) or max_messages < 1
         ):
             raise ValueError(f"max_messages must be a positive int or None, not {max_messages!r}")
-        if self._closed:
-            self._check()
-        if not self._lock.locked() and not self._pending and self._deferred is None:
-            if time.monotonic() >= self._next_yield:
-                await self._pace()
+        self._check()
+        if not self._lock.held and not self._pending and self._deferred is None:
+            if (due := self._due()) is not None:
+                await due()
                 self._check()
-            elif (cancelled := pending_checkpoint()) is not None:
-                await cancelled()
             out = self._take_records(max_messages)
             if out:
                 if self._deferred is None and (max_messages is None or len(out) < max_messages):
                     self._drain_into(out, max_messages)  # records of other kinds, if any
                 return out
-        first = await self.get()
-        out = [first]
+        out = [await self.get()]
         self._drain_into(out, max_messages)
         return out
 
@@ -521,11 +528,11 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         """Whole records of plain messages waiting now, up to ``limit`` messages (the rest
         of a batch is kept for the next call); an error after some were taken is kept for
         the next call too."""
-        ring, loads = self._ring, self._loads_plain
+        core, loads = self._core, self._loads_plain
         out: list[T] = []
         try:
             while limit is None or len(out) < limit:
-                got = ring.get_record(loads, _EMPTY)
+                got = core.get_record(loads, _EMPTY)
                 if got is _EMPTY:
                     break
                 obj, n = got
@@ -541,6 +548,12 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
                     out += obj[:room]
                     self._pending.extend(obj[room:])
                     self._messages -= n - room  # counted by the core, handed out later
+        except ValueError:
+            if self._closed:
+                raise self._closed_error() from None
+            if not out:
+                raise
+            self._deferred = self._closed_error()
         except BaseException as exc:
             if not out:
                 raise
@@ -548,7 +561,6 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         return out
 
     def _drain_into(self, out: list[T], limit: int | None) -> None:
-        ring = self._ring
         pending = self._pending
         try:
             while limit is None or len(out) < limit:
@@ -568,7 +580,8 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         except BaseException as exc:  # keep what was read: report the error next time
             self._deferred = exc
         finally:
-            ring.publish()
+            if not self._closed:
+                self._core.publish()
 
     def get_sync(self, timeout: float | None = None) -> T:
         """Blocking get for code without an event loop; TimeoutError after ``timeout`` s.
@@ -583,12 +596,7 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         if self._lock.held:
             raise busy("an async get is under way on this reader")
         if not self._pending and self._deferred is None:
-            try:
-                obj = self._ring.get_plain(self._loads_plain, _EMPTY)
-            except ValueError:
-                if self._closed:  # closed by another thread meanwhile
-                    raise self._closed_error() from None
-                raise
+            obj = self._get_plain()
             if obj is not _EMPTY:
                 return obj  # type: ignore[no-any-return]
         deadline = deadline_of(timeout)
@@ -603,17 +611,16 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
 
     def statistics(self) -> ReaderStatistics:
         self._check()
-        ring = self._ring
-        ring.refresh()
-        head_count = ring.published_count()
+        core = self._core
+        head, head_count = self._ring.published()
         return ReaderStatistics(
             reader=self._index,
-            messages_available=max(head_count - ring.count, 0) + len(self._pending),
-            bytes_available=ring.head - ring.tail,
-            messages_received=self._messages + ring.taken,
-            bytes_received=self._bytes + ring.taken_bytes,
+            messages_available=max(head_count - core.count, 0) + len(self._pending),
+            bytes_available=max(head - core.tail, 0),
+            messages_received=self._messages + core.taken,
+            bytes_received=self._bytes + core.taken_bytes,
             tasks_waiting_receive=self._waiting,
-            wakeups_sent=ring.wakeups,
+            wakeups_sent=core.wakeups,
         )
 
     # -- closing ---------------------------------------------------------------------------

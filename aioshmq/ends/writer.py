@@ -9,6 +9,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Generator, Iterable
+from types import TracebackType
 from typing import Any, Generic, Literal, NamedTuple, TypeVar
 
 import anyio
@@ -20,18 +21,18 @@ from ..base.log import log
 from ..memory.notify import Notifier, NotifierKind, default_kind
 from ..memory.segment import Segment
 from ..ring import format as L
-from ..ring.format import Layout
-from ..ring.gate import ATTACHED, DEAD, PENDING, Gate
-from ..ring.ring import Frame, RingWriter
+from ..ring.format import ATTACHED, DEAD, PENDING
+from ..ring.layout import Frame, Layout
+from ..ring.ring import RingWriter
 from ..serialize.pickling import Buffer, PickleSerializer, SerializerSpec, resolve, unserializable
 from .broker import Broker, check_name
 from .cancel import pending_checkpoint
 from .end import End, deadline_of, in_event_loop
 from .handle import Handle
-from .reserve import Reservation
 from .stuck import Stuck
 
 T = TypeVar("T")
+V = TypeVar("V")
 
 OnReaderDeath = Literal["raise", "detach"]
 _LONGEST_SLEEP = 3600.0  # s: a put waiting on a timer wakes at least this often
@@ -182,7 +183,9 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         self._on_death = on_reader_death
         self._messages = 0
         self._bytes = 0
-        self._seg = Segment.create(layout, name)
+        self._seg = Segment.create(
+            layout.size, layout.data_offset, name, f"capacity={layout.capacity}"
+        )
         try:
             layout.write_header(self._seg.buf, os.getpid())
             self._wake = Notifier.create(kind)
@@ -190,10 +193,11 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
             self._reader_wake: list[Notifier] = []
             for _ in range(layout.readers):
                 self._reader_wake.append(Notifier.create(kind))
-            self._gate = Gate(layout.readers)
-            self._ring = RingWriter(self._seg, layout, self._gate, self._reader_wake)
+            self._ring = RingWriter(self._seg, layout, self._reader_wake)
+            self._core = self._ring.core
+            self._gate = self._ring.gate
             if self._pickles:
-                self._ring.arrays = serializer.array_pickles
+                self._core.arrays = serializer.array_pickles
             self._broker = Broker(
                 name,
                 self._ring,
@@ -214,6 +218,10 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         """A sync reservation's block ended: puts go on (unless the writer stopped)."""
         self._reserving = False
         self._halt = self._closed or self._broker.failure is not None
+
+    def _abandon(self) -> None:
+        self._halt = True  # the hot paths check this alone
+        super()._abandon()
 
     def _broker_failed(self) -> None:
         """Called by the broker thread if it ever stops for something it could not survive."""
@@ -268,15 +276,15 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         generator early forgets what was written: a cancelled put published nothing.
         Otherwise what was written is published before each wait.
         """
-        ring = self._ring
-        start = ring.pos, ring.count
+        ring, core = self._ring, self._core
+        start = core.pos, core.count
         sent = nbytes = 0
         try:
             for frame in frames:
                 if ring.fits_whole(frame):
                     while not ring.try_write(frame):
                         if not atomic:
-                            ring.publish()
+                            core.publish()
                         yield
                 else:
                     done = 0
@@ -284,7 +292,7 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
                         progress = ring.try_write_fragment(frame, done)
                         if progress == done:
                             if not atomic:
-                                ring.publish()
+                                core.publish()
                             yield
                         done = progress
                 sent += frame.count
@@ -297,7 +305,7 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         finally:
             self._messages += sent
             self._bytes += nbytes
-        ring.publish()
+        core.publish()
 
     def _atomic(self, frames: list[Frame]) -> bool:
         """Whether the batch is small enough to be published whole (half the ring at most)."""
@@ -316,7 +324,7 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         broker's error if it stopped: then nobody would notice a death or an attach)."""
         if self._broker.failure is not None:
             self._check()
-        for i, state in enumerate(self._gate.states):
+        for i, state in enumerate(self._gate.states()):
             if state == DEAD:
                 pid = self._broker.dead_pid(i)
                 raise PeerDied(
@@ -364,7 +372,7 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
                 slot,
                 pid,
                 self._stuck.timeout,
-                self._ring.head_count - min(count, self._ring.head_count),
+                self._core.head_count - min(count, self._core.head_count),
             )
 
     def _warn_slow(self, since: float) -> None:
@@ -462,58 +470,58 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         """
         if self._halt:
             self._check()
-        if time.monotonic() >= self._next_yield:
-            await self._pace()
+        if (due := self._due()) is not None:
+            await due()
             self._check()
-        elif (cancelled := pending_checkpoint()) is not None:
-            await cancelled()
-        pickler = self._ser.pickler if self._pickles else None
-        if pickler is None or self._lock.held:
-            frame = self._put_now(*self._ser.dumps(obj))
-        else:
-            try:
-                rest = self._ring.put_object(obj, pickler)
-            except Exception as exc:
-                self._put_failed(obj, exc)
-                raise
-            if rest is None:
-                return
-            frame = self._put_now(*self._ser.finish(obj, rest))
-        if frame is not None:
+        if (frame := self._offer(obj)) is not None:
             await self._run([frame])
 
-    async def _put_rest(self, obj: T, rest: Any) -> None:
-        """The rest of ``put`` once the core's ``put_object`` wrote nothing and left ``rest``
-        (the compiled ``put`` goes on here)."""
-        frame = self._put_now(*self._ser.finish(obj, rest))
-        if frame is not None:
-            await self._run([frame])
+    async def send(self, item: T) -> None:
+        """Same as ``put`` (the anyio stream interface)."""
+        await self.put(item)
+
+    def _offer(self, obj: T) -> Frame | None:
+        """Serialize ``obj`` and, unless other puts are waiting, write and publish it if
+        there is room now: None.  Otherwise the frame to wait with; nothing was written."""
+        try:
+            if self._pickles and not self._lock.held:
+                rest = self._core.put_object(obj, self._ser.pickler)
+                if rest is None:
+                    return None
+                main, buffers = self._ser.finish(obj, rest)
+            else:
+                main, buffers = self._ser.dumps(obj)
+            return self._put_now(main, buffers)
+        except Exception as exc:
+            self._put_failed(obj, exc)
+            raise
 
     def _put_now(self, main: Buffer, buffers: list[memoryview]) -> Frame | None:
         """Write and publish a serialized message if nothing waits and there is room now:
         None, else the frame that ``_run`` has to wait with."""
-        ring = self._ring
+        core = self._core
         if not buffers:
-            if not self._lock.locked() and ring.put_plain(main):
+            if not self._lock.held and core.put_plain(main):
                 return None
             return Frame(main, buffers)
         if len(buffers) == 1:  # one array: written and published in one call
-            if not self._lock.locked() and ring.put_buffer(main, buffers[0]):
+            if not self._lock.held and core.put_buffer(main, buffers[0]):
                 return None
             return Frame(main, buffers)
         frame = Frame(main, buffers)
-        if not self._lock.locked() and ring.fits_whole(frame) and ring.try_write(frame):
-            ring.publish()
+        if not self._lock.held and self._ring.fits_whole(frame) and self._ring.try_write(frame):
+            core.publish()
             self._messages += 1
             self._bytes += frame.length
             return None
         return frame
 
-    def _put_failed(self, obj: T, exc: Exception) -> None:
-        """Raise what a failed ``put_object`` means for the caller, if not ``exc`` itself."""
-        if self._ring.dumps_failed and not isinstance(exc, MemoryError):
+    def _put_failed(self, obj: object, exc: Exception) -> None:
+        """Raise what a failed write means for the caller, if not ``exc`` itself: the object
+        did not serialize, or another thread closed the writer (its memory is gone)."""
+        if self._core.dumps_failed and not isinstance(exc, MemoryError):
             raise unserializable(obj, exc, self._ser.name) from exc
-        if self._closed and isinstance(exc, ValueError):  # closed by another thread
+        if self._closed and isinstance(exc, ValueError):
             raise self._closed_error() from None
 
     def reserve(self, nbytes: int, *, timeout: float | None = None) -> Reservation[memoryview]:
@@ -557,17 +565,13 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         self._check()
         frame = Frame.reserved(main, nbytes)
         if not self._ring.fits_whole(frame):
-            most = self._ring.max_record - L.HEADER_SIZE - (frame.hole if main else 0)
+            most = self._core.max_record - L.HEADER_SIZE - (frame.hole if main else 0)
             raise ValueError(
                 f"a reserved message must fit in one record, at most {most} bytes in ring "
                 f"{self._name!r} (half its capacity of {self._layout.capacity}, less "
                 f"headers), not {nbytes}; put() sends bigger messages in fragments"
             )
         return frame
-
-    async def send(self, item: T) -> None:
-        """Same as ``put`` (the anyio stream interface)."""
-        await self.put(item)
 
     async def put_many(self, objs: Iterable[T]) -> None:
         """Send a batch with one publish and at most one wake-up per sleeping reader.
@@ -580,36 +584,33 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         """
         self._check()
         objs = list(objs)
-        pickler = self._ser.pickler if self._pickles else None
-        if pickler is not None and 2 <= len(objs) <= self._layout.max_messages:
-            if time.monotonic() >= self._next_yield:
-                await self._pace()
-                self._check()
-            elif (cancelled := pending_checkpoint()) is not None:
-                await cancelled()
-            if not self._lock.locked():
-                try:
-                    rest = self._ring.put_object(objs, pickler, len(objs))
-                except Exception:
-                    if not self._ring.dumps_failed:
-                        raise
-                    rest = ()  # one of them does not serialize: _batch says which
-                if rest is None:
-                    return
-        frames = self._batch(objs)
-        if time.monotonic() >= self._next_yield:
-            await self._pace()
+        if (due := self._due()) is not None:
+            await due()
             self._check()
-        elif (cancelled := pending_checkpoint()) is not None:
-            await cancelled()
+        if frames := self._offer_many(objs):
+            await self._run(frames)
+
+    def _offer_many(self, objs: list[T]) -> list[Frame]:
+        """``_offer`` for a batch: [] if it was written now, else the frames to wait with."""
+        batch = 2 <= len(objs) <= self._layout.max_messages
+        if batch and self._pickles and not self._lock.held:
+            try:
+                rest = self._core.put_object(objs, self._ser.pickler, len(objs))
+            except Exception as exc:
+                if not self._core.dumps_failed:
+                    self._put_failed(objs, exc)
+                    raise
+                rest = ()  # one of them does not serialize: _batch says which
+            if rest is None:
+                return []
+        frames = self._batch(objs)
         if len(frames) == 1 and not frames[0].kind & L.OOB:  # one record, no buffers
             frame = frames[0]
-            if not self._lock.locked() and self._ring.put_plain(
+            if not self._lock.held and self._core.put_plain(
                 frame.parts[0][1], frame.kind, frame.count
             ):
-                return
-        if frames:
-            await self._run(frames)
+                return []
+        return frames
 
     def _batch(self, objs: list[T]) -> list[Frame]:
         """One frame holding the whole list where the serializer and the bounds allow."""
@@ -635,9 +636,12 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
     def put_nowait(self, obj: T) -> None:
         """Send ``obj`` now, or raise Full (nothing written) if the ring has no room."""
         self._check()
-        frame = self._frame(obj)
-        if self._lock.locked():
+        if self._lock.held:
+            self._frame(obj)  # an object that does not serialize says so first
             raise Full("tasks are already waiting to put into this ring")
+        frame = self._offer(obj)
+        if frame is None:
+            return
         steps = self._steps([frame], atomic=True)
         for _ in steps:
             steps.close()
@@ -656,33 +660,8 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
             self._refuse_in_loop("put_sync", "writer.put(obj)")
         if self._lock.held:
             raise busy("an async put or wait_readers is under way on this writer")
-        if not self._pickles:
-            self._put_sync_frame(self._frame(obj), timeout)
+        if (frame := self._offer(obj)) is None:
             return
-        try:
-            rest = self._ring.put_object(obj, self._ser.pickler)
-        except Exception as exc:
-            self._put_failed(obj, exc)
-            raise
-        if rest is not None:
-            self._put_sync_rest(obj, rest, timeout)
-
-    def _put_sync_rest(self, obj: T, rest: Any, timeout: float | None) -> None:
-        """The rest of ``put_sync`` once the core's ``put_object`` wrote nothing and left
-        ``rest`` (the compiled ``put_sync`` goes on here too)."""
-        main, buffers = self._ser.finish(obj, rest)
-        if len(buffers) == 1:
-            try:
-                if self._ring.put_buffer(main, buffers[0]):
-                    return
-            except ValueError:
-                if self._closed:  # closed by another thread meanwhile
-                    raise self._closed_error() from None
-                raise
-        self._put_sync_frame(Frame(main, buffers), timeout)
-
-    def _put_sync_frame(self, frame: Frame, timeout: float | None) -> None:
-        """Write ``frame``, waiting for room up to ``timeout`` s."""
         deadline = deadline_of(timeout)
         steps = self._steps([frame], self._atomic([frame]))
         since: float | None = None
@@ -733,7 +712,7 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
 
     def _all_attached(self) -> bool:
         self._check_readers()
-        return all(state == ATTACHED for state in self._gate.states)
+        return all(state == ATTACHED for state in self._gate.states())
 
     def statistics(self) -> WriterStatistics:
         self._check()
@@ -743,13 +722,13 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
             bytes_in_ring=nbytes,
             capacity=self._layout.capacity,
             max_messages=self._layout.max_messages,
-            messages_put=self._messages + self._ring.sent,
-            bytes_put=self._bytes + self._ring.sent_bytes,
+            messages_put=self._messages + self._core.sent,
+            bytes_put=self._bytes + self._core.sent_bytes,
             readers=self._layout.readers,
-            readers_attached=sum(1 for s in self._gate.states if s == ATTACHED),
+            readers_attached=self._gate.states().count(ATTACHED),
             tasks_waiting_send=self._waiting,
-            wakeups_sent=self._ring.wakeups,
-            publishes=self._ring.publishes,
+            wakeups_sent=self._core.wakeups,
+            publishes=self._core.publishes,
             readers_evicted=0 if self._stuck is None else self._stuck.evicted,
         )
 
@@ -757,8 +736,8 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
 
     def _undelivered(self) -> tuple[list[int], int]:
         """Slots never attached, and how many published messages wait for them."""
-        slots = [i for i, state in enumerate(self._gate.states) if state == PENDING]
-        return slots, (self._ring.head_count if slots else 0)
+        slots = [i for i, state in enumerate(self._gate.states()) if state == PENDING]
+        return slots, (self._core.head_count if slots else 0)
 
     def close(self, linger: float | None = None) -> None:
         """Close the writer: readers get every message published, then the end of stream.
@@ -850,4 +829,136 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         self._seg.close()
 
 
-__all__ = ["Handle", "Writer", "WriterStatistics", "create"]
+class Reservation(Generic[V]):
+    """Room for one message in the ring, handed out as a writable view of the ring itself.
+
+    ``async with writer.reserve(n) as view:`` waits for room like ``put`` (both bounds), and
+    holds the writer (other puts wait) until the block ends: then the message is published
+    to every reader, or, if the block raised or was cancelled, forgotten as if never begun.
+    ``with`` does the same for code without an event loop (``timeout`` bounds the wait).
+    The view must not be used after the block: its memory belongs to the ring again.
+    """
+
+    __slots__ = ("_frame", "_timeout", "_token", "_view", "_wrap", "_writer")
+
+    def __init__(
+        self,
+        writer: Writer[Any],
+        frame: Frame,
+        wrap: Callable[[memoryview], V],
+        timeout: float | None = None,
+    ) -> None:
+        self._writer = writer
+        self._frame = frame
+        self._wrap = wrap
+        self._timeout = timeout
+        self._token: int | None = None
+        self._view: memoryview | None = None
+
+    def _take(self) -> V:
+        ring = self._writer._ring
+        start = ring.written_at + self._frame.hole
+        view = self._view = ring.data[start : start + self._frame.length - self._frame.hole]
+        return self._wrap(view)
+
+    def _finish(self, publish: bool) -> None:
+        writer, frame = self._writer, self._frame
+        ring = writer._ring
+        try:
+            if self._view is not None:
+                try:
+                    self._view.release()  # later writes through it fail, where nothing holds it
+                except BufferError:
+                    pass  # an array or tensor still wraps it: the caller's to drop
+                self._view = None
+            if writer._closed:  # closing dropped what was not published
+                if publish:
+                    raise writer._closed_error()
+            elif publish:
+                writer._core.publish()
+                writer._messages += 1
+                writer._bytes += frame.length
+            else:
+                ring.rollback_unpublished()
+        finally:
+            token, self._token = self._token, None
+            if token is not None:
+                writer._unhold(token)
+
+    # -- async ---------------------------------------------------------------------------
+
+    async def __aenter__(self) -> V:
+        writer = self._writer
+        if self._token is not None:
+            raise RuntimeError("this reservation is already open")
+        writer._check()
+        if (cancelled := pending_checkpoint()) is not None:
+            await cancelled()
+        await writer._lock.acquire()
+        try:
+            # Not an async hold: a close from anywhere leaves the mapping in place until
+            # this block ends, since the caller writes into it without asking.
+            self._token = writer._hold(False)
+            ring = writer._ring
+            since = time.monotonic()
+            while not ring.try_write(self._frame):
+                await writer._wait_room(since)
+            return self._take()
+        except BaseException:
+            try:
+                self._finish(False)
+            finally:
+                writer._lock.release()
+            raise
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            self._finish(exc_type is None)
+        finally:
+            self._writer._lock.release()
+
+    # -- sync ----------------------------------------------------------------------------
+
+    def __enter__(self) -> V:
+        writer = self._writer
+        if self._token is not None:
+            raise RuntimeError("this reservation is already open")
+        writer._check()
+        writer._refuse_in_loop("reserve", "writer.reserve(...) with 'async with'")
+        if writer._lock.locked():
+            raise busy("an async put or wait_readers is under way on this writer")
+        deadline = deadline_of(self._timeout)
+        self._token = writer._hold(False)
+        try:
+            ring = writer._ring
+            since = time.monotonic()
+            while not ring.try_write(self._frame):
+                writer._wait_room_sync(deadline, since)
+            # Until the block ends, any other put stops at its first check (busy).
+            writer._reserving = writer._halt = True
+            return self._take()
+        except BaseException:
+            try:
+                self._finish(False)
+            finally:
+                writer._resume()
+            raise
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            self._finish(exc_type is None)
+        finally:
+            self._writer._resume()
+
+
+__all__ = ["Handle", "Reservation", "Writer", "WriterStatistics", "create"]

@@ -11,8 +11,6 @@ import resource
 from collections.abc import Iterator
 from typing import NamedTuple, Protocol
 
-from ..ring.format import Layout
-
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
@@ -51,35 +49,38 @@ class Segment:
         self.fd = fd if keep_fd else -1
 
     @classmethod
-    def create(cls, layout: Layout, name: str) -> Segment:
+    def create(cls, size: int, data_offset: int, name: str, what: str) -> Segment:
+        """A new segment of ``size`` bytes whose data area starts at ``data_offset``, every
+        page reserved; ``name`` names the memfd (as /proc shows it), ``what`` the ring in
+        errors (its capacity, say)."""
         bound = available_memory()
-        if bound is not None and layout.size > bound.available:
+        if bound is not None and size > bound.available:
             # Reserving more than is free would push the machine, or the memory cgroup this
             # process runs in, into the OOM killer.
             raise MemoryError(
-                f"capacity={layout.capacity} needs {layout.size} bytes of shared memory, "
+                f"{what} needs {size} bytes of shared memory, "
                 f"but only {bound.available} are available ({bound.source})"
             )
         fd = os.memfd_create(f"aioshmq:{name}", os.MFD_CLOEXEC)
         try:
-            os.ftruncate(fd, layout.size)
+            os.ftruncate(fd, size)
             try:
                 # Reserve every page now: a full tmpfs or memory cgroup fails here, not with
                 # SIGBUS at some later write.
-                os.posix_fallocate(fd, 0, layout.size)
+                os.posix_fallocate(fd, 0, size)
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
                     raise MemoryError(
-                        f"cannot reserve {layout.size} bytes of shared memory for a ring of "
-                        f"capacity={layout.capacity}: {exc.strerror}"
+                        f"cannot reserve {size} bytes of shared memory for a ring of "
+                        f"{what}: {exc.strerror}"
                     ) from None
                 if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                     raise
-            seg = cls(fd, layout.size, keep_fd=True)
+            seg = cls(fd, size, keep_fd=True)
         except BaseException:
             os.close(fd)
             raise
-        seg.data = seg.buf[layout.data_offset : layout.size]
+        seg.data = seg.buf[data_offset:size]
         return seg
 
     @classmethod

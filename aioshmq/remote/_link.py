@@ -13,7 +13,7 @@ import zmq
 
 from ..base.errors import CorruptedError, busy
 from ..ends.writer import Writer
-from ..ring.format import Layout
+from ..ring.layout import Layout
 from . import _wire as W
 from ._auth import Keys, secure_client
 

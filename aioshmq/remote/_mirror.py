@@ -271,9 +271,10 @@ def _cut_off(
     if link.evicted is None:
         return default()
     return ReaderEvicted(
-        f"{link.reason}; every message that fully arrived was delivered",
-        index=link.index,
-        timeout=link.evicted,
+        link.address,
+        link.index,
+        link.evicted,
+        message=f"{link.reason}; every message that fully arrived was delivered",
     )
 
 

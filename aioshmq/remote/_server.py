@@ -15,7 +15,7 @@ import zmq
 from ..base.errors import CorruptedError, ReaderEvicted
 from ..ends import reader as _reader
 from ..ends.reader import Reader
-from ..ring.format import Layout
+from ..ring.layout import Layout
 from ..ring.ring import RingReader
 from . import _wire as W
 from ._auth import ZAP_ENDPOINT, Keys, secure_server, zap_reply
@@ -151,7 +151,7 @@ class Server:
                 return
             events = dict(poller.poll(int(timeout * 1000) + 1))
             for remote in self._remotes.values():
-                remote.ring.end_sleep()
+                remote.ring.core.end_sleep()
                 if remote.reader._wake.read_fd in events:
                     remote.reader._wake.drain()
             if self._stop_r in events:
@@ -180,22 +180,22 @@ class Server:
             while not remote.away:
                 while (run := ring.next_run(CHUNK)) is not None:
                     pos, count, records = run
-                    head = W.DATA + W.RUN.pack(pos, count, ring.tail, ring.count)
+                    head = W.DATA + W.RUN.pack(pos, count, ring.core.tail, ring.core.count)
                     # Copied out, then checked: a run the writer may have overwritten (it
                     # evicted this reader) is never sent.
                     data = bytes(records)
-                    ring.check_evicted()
+                    ring.core.check_evicted()
                     self._send(remote, [head, data], copy=False)
                     if remote.away:
                         return
-                    if ring.tail > remote.sent[0]:
-                        remote.sent = (ring.tail, ring.count)
+                    if ring.core.tail > remote.sent[0]:
+                        remote.sent = (ring.core.tail, ring.core.count)
                 if remote.end is None and ring.closed():
-                    remote.end = (ring.tail, ring.count)
+                    remote.end = (ring.core.tail, ring.core.count)
                     self._send(remote, [W.END + W.END_.pack(*remote.end, ring.broken())])
                 elif now - remote.sent_at > remote.heartbeat / 3:
-                    self._send(remote, [W.BEAT + W.POS.pack(ring.tail, ring.count)])
-                if remote.end is not None or ring.prepare_sleep():
+                    self._send(remote, [W.BEAT + W.POS.pack(ring.core.tail, ring.core.count)])
+                if remote.end is not None or ring.core.prepare_sleep():
                     return
         except CorruptedError:
             self._drop(remote, dead=True)
@@ -312,10 +312,10 @@ class Server:
             ring,
             min(float(heartbeat), self.heartbeat),  # the shorter of the two sides' timeouts
             peer,
-            (ring.tail, ring.count),
+            (ring.core.tail, ring.core.count),
             now,
             now,
-            (ring.tail, ring.count),
+            (ring.core.tail, ring.core.count),
         )
         self._remotes[rid] = remote
         self._attaching.discard(index)
@@ -346,7 +346,7 @@ class Server:
             if not (lo <= pos <= hi and lo_count <= count <= hi_count):
                 raise ValueError(f"an acknowledgement of position {pos}, which was never sent")
             ring = remote.ring
-            if pos > ring.tail:  # sent before a reconnection rewound the cursor: not again
+            if pos > ring.core.tail:  # sent before a reconnection rewound the cursor: not again
                 ring.rewind(pos, count)
             remote.acked = (pos, count)
             ring.release_to(pos, count)
@@ -367,7 +367,7 @@ class Server:
         self._remotes.pop(remote.rid, None)
         self.deaths += dead
         try:
-            remote.ring.end_sleep()
+            remote.ring.core.end_sleep()
             if dead:
                 remote.reader._close_as_dead()
             else:

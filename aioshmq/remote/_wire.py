@@ -8,7 +8,8 @@ from typing import Any
 
 from ..base.errors import CorruptedError
 from ..ring import format as L
-from ..ring.format import Layout, record_size
+from ..ring.format import record_size
+from ..ring.layout import Layout
 
 VERSION = 1
 

@@ -1,7 +1,8 @@
-/* The ring's per-message work in C: the compiled twin of aioshmq/_ringcore.py.
+/* The ring's per-message work in C: the compiled twin of aioshmq/ring/pure.py.
  *
- * Same byte layout, same behaviour, same Python-visible state as the pure module: a ring
- * written by one is read by the other.  Shared counters are C11 atomics on the mapping
+ * Same byte layout, same primitives, same Python-visible state as the pure module: a ring
+ * written by one is read by the other.  It calls no Python code of aioshmq's beyond the
+ * exceptions it raises and the serializer's ``dumps`` and ``loads`` it is handed.  Shared counters are C11 atomics on the mapping
  * (see ARCHITECTURE.md, "Memory ordering"): the writer publishes its head with a release
  * store, a reader loads it with an acquire load before it reads a record, a reader stores
  * its tail with a release store after it read the record, and both sides of the sleep/wake
@@ -15,6 +16,7 @@
 #include <structmember.h>
 
 #include <errno.h>
+#include <limits.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
@@ -23,6 +25,8 @@
 
 #include "plainpickle.h"
 
+#include "format.h" /* generated from format.py by setup.py: every constant below */
+
 #if ATOMIC_LLONG_LOCK_FREE != 2
 #error "aioshmq needs lock-free 64-bit atomics"
 #endif
@@ -30,39 +34,12 @@
 #error "aioshmq's ring stores little-endian words with native stores"
 #endif
 
-/* Must match aioshmq/_layout.py; tests/test_ringcore.py compares them. */
-#define LINE 128
-#define WRITER_LINE LINE
-#define READER_LINES (2 * LINE)
-#define HEADER_SIZE 16
-#define RECORD_ALIGN 16
-#define W_HEAD 0
-#define W_HEAD_COUNT 1
-#define W_CLOSED 2
-/* The sleep words sit in the second 64 bytes of their lines (SLEEP_WORDS in _layout.py). */
-#define W_SLEEP 8
-#define W_WANT_POS 9
-#define W_WANT_COUNT 10
-#define R_TAIL 0
-#define R_TAIL_COUNT 1
-#define R_SLEEP 8
-#define R_EVICTED 4
-#define PAD 1
-#define MSG 2
-#define FIRST 3
-#define MIDDLE 4
-#define LAST 5
-#define OOB 0x10
-#define BATCH 0x20
-#define KIND_MASK 0x0F
-#define REWIND_AT (256 * 1024)
-
 typedef _Atomic uint64_t au64;
 
 static PyObject *CorruptedError; /* aioshmq.base.errors.CorruptedError */
-static PyObject *str_refresh_limits, *str_write_fd;
-static PyObject *str_lock, *str_states, *str_acquire, *str_release;
-static PyObject *waited_for; /* aioshmq.ring.gate.WAITED_FOR: the slot states a writer waits for */
+static PyObject *ReaderEvicted;  /* aioshmq.base.errors.ReaderEvicted */
+static PyObject *str_numpy, *str_ndarray;
+static PyTypeObject *ndarray_type; /* numpy.ndarray, once an object of that name was seen */
 static PyObject *dumps_kwnames; /* ("protocol", "buffer_callback") */
 static PyObject *five;
 static PyObject *pickle_dumps, *pickle_pickler, *namespace_type, *empty_bytes;
@@ -203,31 +180,17 @@ static PyObject *mem_load(Mem *m, PyObject *owner, PyObject *loads, const uint8_
     return obj;
 }
 
-/* One wake-up through a Notifier (an eventfd, or a pipe's write end).  Its fd is read at
- * each call: a notifier closed meanwhile (write_fd -1) is skipped, never a stale number. */
-static int notify(PyObject *notifier, int eventfd) {
-    PyObject *fdobj = PyObject_GetAttr(notifier, str_write_fd);
-    if (fdobj == NULL) return -1;
-    long fd = PyLong_AsLong(fdobj);
-    Py_DECREF(fdobj);
-    if (fd == -1 && PyErr_Occurred()) return -1;
-    if (fd < 0) return 0;
+/* One wake-up through an eventfd (8 bytes) or a pipe's write end (1 byte); a wake-up already
+ * pending is enough (EAGAIN). */
+static int notify(int fd, int eventfd) {
     static const uint64_t one = 1;
     static const char zero = 0;
-    ssize_t r = eventfd ? write((int)fd, &one, 8) : write((int)fd, &zero, 1);
+    ssize_t r = eventfd ? write(fd, &one, 8) : write(fd, &zero, 1);
     if (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK) {
         PyErr_SetFromErrno(PyExc_OSError);
         return -1;
     }
     return 0;
-}
-
-static int is_eventfd(PyObject *notifier) {
-    PyObject *kind = PyObject_GetAttrString(notifier, "kind");
-    if (kind == NULL) return -1;
-    int r = PyUnicode_Check(kind) && PyUnicode_CompareWithASCIIString(kind, "eventfd") == 0;
-    Py_DECREF(kind);
-    return r;
 }
 
 static int u64_arg(PyObject *o, uint64_t *out) {
@@ -237,6 +200,153 @@ static int u64_arg(PyObject *o, uint64_t *out) {
     return 0;
 }
 
+/* -- the gate: each slot's state and the lock it changes under ---------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    PyThread_type_lock lock;
+    Py_ssize_t readers;
+    unsigned char *states;
+} Gate;
+
+static PyTypeObject *Gate_type;
+
+/* Take the gate's lock, letting the GIL go while another thread holds it (which may need
+ * the GIL to let it go). */
+static void gate_lock(Gate *g) {
+    if (PyThread_acquire_lock(g->lock, NOWAIT_LOCK)) return;
+    Py_BEGIN_ALLOW_THREADS
+    PyThread_acquire_lock(g->lock, WAIT_LOCK);
+    Py_END_ALLOW_THREADS
+}
+
+static int G_init(Gate *self, PyObject *args, PyObject *kwds) {
+    Py_ssize_t readers;
+    static char *kwlist[] = {"readers", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "n:Gate", kwlist, &readers)) return -1;
+    if (self->lock != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "gate initialised twice");
+        return -1;
+    }
+    if (readers < 1) {
+        PyErr_Format(PyExc_ValueError, "a gate of %zd slots", readers);
+        return -1;
+    }
+    self->states = PyMem_Calloc((size_t)readers, 1); /* PENDING is 0 */
+    self->lock = PyThread_allocate_lock();
+    if (self->states == NULL || self->lock == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    self->readers = readers;
+    return 0;
+}
+
+static void G_dealloc(Gate *self) {
+    if (self->lock != NULL) PyThread_free_lock(self->lock);
+    PyMem_Free(self->states);
+    PyTypeObject *tp = Py_TYPE(self);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+static int G_ready(Gate *self) {
+    if (self->lock == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "gate not initialised");
+        return 0;
+    }
+    return 1;
+}
+
+static int G_index(Gate *self, PyObject *arg, Py_ssize_t *index) {
+    Py_ssize_t i = PyNumber_AsSsize_t(arg, PyExc_IndexError);
+    if (i == -1 && PyErr_Occurred()) return -1;
+    if (i < 0 || i >= self->readers) {
+        PyErr_Format(PyExc_IndexError, "slot %zd of a gate of %zd slots", i, self->readers);
+        return -1;
+    }
+    *index = i;
+    return 0;
+}
+
+static PyObject *G_enter(Gate *self, PyObject *unused) {
+    if (!G_ready(self)) return NULL;
+    gate_lock(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *G_exit(Gate *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (!G_ready(self)) return NULL;
+    PyThread_release_lock(self->lock);
+    Py_RETURN_NONE;
+}
+
+static PyObject *G_state(Gate *self, PyObject *arg) {
+    Py_ssize_t i;
+    if (!G_ready(self) || G_index(self, arg, &i) < 0) return NULL;
+    return PyLong_FromLong(self->states[i]);
+}
+
+static PyObject *G_set(Gate *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t i;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "set(index, state)");
+        return NULL;
+    }
+    if (!G_ready(self) || G_index(self, args[0], &i) < 0) return NULL;
+    long state = PyLong_AsLong(args[1]);
+    if (state == -1 && PyErr_Occurred()) return NULL;
+    if (state < (long)PENDING || state > (long)EVICTED) {
+        PyErr_Format(PyExc_ValueError, "no slot state %ld", state);
+        return NULL;
+    }
+    self->states[i] = (unsigned char)state;
+    Py_RETURN_NONE;
+}
+
+static PyObject *G_states(Gate *self, PyObject *unused) {
+    if (!G_ready(self)) return NULL;
+    PyObject *list = PyList_New(self->readers);
+    if (list == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < self->readers; i++) {
+        PyObject *s = PyLong_FromLong(self->states[i]);
+        if (s == NULL) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, i, s);
+    }
+    return list;
+}
+
+static Py_ssize_t G_len(Gate *self) { return self->readers; }
+
+static PyMethodDef G_methods[] = {
+    {"__enter__", (PyCFunction)G_enter, METH_NOARGS, "Take the lock."},
+    {"__exit__", (PyCFunction)(void (*)(void))G_exit, METH_FASTCALL, "Let the lock go."},
+    {"state", (PyCFunction)G_state, METH_O, "Slot ``index``'s state."},
+    {"set", (PyCFunction)(void (*)(void))G_set, METH_FASTCALL,
+     "Give slot ``index`` a new state (the caller holds the lock)."},
+    {"states", (PyCFunction)G_states, METH_NOARGS, "Every slot's state, as it is now."},
+    {NULL}};
+
+static PyType_Slot G_slots[] = {
+    {Py_tp_doc, "Which reader slots the writer waits for: each slot's state and the lock it "
+                "changes under, shared by the writer and its broker thread."},
+    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_init, G_init},
+    {Py_tp_dealloc, G_dealloc},
+    {Py_tp_methods, G_methods},
+    {Py_sq_length, G_len},
+    {0, NULL}};
+
+static PyType_Spec G_spec = {
+    .name = "aioshmq.ring.compiled.Gate",
+    .basicsize = sizeof(Gate),
+    .flags = Py_TPFLAGS_DEFAULT,
+    .slots = G_slots,
+};
+
 /* -- the writer ------------------------------------------------------------------------------ */
 
 typedef struct {
@@ -245,51 +355,63 @@ typedef struct {
     unsigned long long pos, count, head, head_count, limit_pos, limit_count;
     unsigned long long need_span, need_count, wakeups, publishes, sent, sent_bytes;
     unsigned long long max_record, rewind_try;
-    PyObject *wake;        /* tuple of Notifiers, one per reader */
-    int *wake_eventfd;
+    int *wake;             /* per reader: its wake-up fd */
+    int eventfd;           /* the wake-up fds are eventfds (else pipes' write ends) */
     uint64_t *signalled;   /* per reader: the sleep episode already woken */
+    Gate *gate;            /* the slots to wait for */
     PyObject *found;       /* list the pickler's buffer_callback appends to */
     PyObject *found_append;
     PyObject *arrays;      /* the serializer's array pickles by (dtype, shape), or NULL */
-    PyObject *gate;        /* the _gate.Gate of the slots to wait for, or NULL / None */
     PyObject *pickler;     /* own_pickler's Pickler, or NULL until it is needed */
     PyObject *pickler_dump, *pickler_clear, *pieces; /* its dump, clear_memo and output */
     PlainPickler plain;    /* pickles plain values in place of pickle.dumps */
     int in_dumps;
     char dumps_failed;     /* the last put_object's error came from dumps */
-    PyObject *weakreflist;
-    PyObject *dict;
 } WriterCore;
 
 static int W_init(WriterCore *self, PyObject *args, PyObject *kwds) {
-    PyObject *buf, *wake;
+    PyObject *buf, *fds, *gate;
     Py_ssize_t data_offset;
     unsigned long long cap, max_messages, readers;
-    static char *kwlist[] = {"mapping", "data_offset", "capacity", "max_messages", "readers",
-                             "wake", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OnKKKO:WriterCore", kwlist, &buf,
-                                     &data_offset, &cap, &max_messages, &readers, &wake))
+    int eventfd;
+    static char *kwlist[] = {"mapping",  "data_offset", "capacity", "max_messages", "readers",
+                             "wake_fds", "eventfd",     "gate",     NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OnKKKOpO:WriterCore", kwlist, &buf,
+                                     &data_offset, &cap, &max_messages, &readers, &fds,
+                                     &eventfd, &gate))
         return -1;
-    if (mem_init(&self->m, buf, data_offset, cap, max_messages, readers) < 0) return -1;
-    PyObject *t = PySequence_Tuple(wake);
-    if (t == NULL) return -1;
-    if ((uint64_t)PyTuple_GET_SIZE(t) != readers) {
-        Py_DECREF(t);
-        PyErr_SetString(PyExc_ValueError, "one wake-up notifier per reader is needed");
+    if (!PyObject_TypeCheck(gate, Gate_type) || ((Gate *)gate)->lock == NULL) {
+        PyErr_SetString(PyExc_TypeError, "gate must be a Gate of this core");
         return -1;
     }
-    self->wake = t;
-    self->wake_eventfd = PyMem_Calloc(readers, sizeof(int));
+    if (mem_init(&self->m, buf, data_offset, cap, max_messages, readers) < 0) return -1;
+    PyObject *t = PySequence_Tuple(fds);
+    if (t == NULL) return -1;
+    if ((uint64_t)PyTuple_GET_SIZE(t) != readers
+        || (uint64_t)((Gate *)gate)->readers != readers) {
+        Py_DECREF(t);
+        PyErr_SetString(PyExc_ValueError, "one wake-up fd and one gate slot per reader are needed");
+        return -1;
+    }
+    self->wake = PyMem_Calloc(readers, sizeof(int));
     self->signalled = PyMem_Calloc(readers, sizeof(uint64_t));
-    if (self->wake_eventfd == NULL || self->signalled == NULL) {
+    if (self->wake == NULL || self->signalled == NULL) {
+        Py_DECREF(t);
         PyErr_NoMemory();
         return -1;
     }
     for (uint64_t i = 0; i < readers; i++) {
-        int e = is_eventfd(PyTuple_GET_ITEM(t, i));
-        if (e < 0) return -1;
-        self->wake_eventfd[i] = e;
+        long fd = PyLong_AsLong(PyTuple_GET_ITEM(t, i));
+        if ((fd == -1 && PyErr_Occurred()) || fd < 0 || fd > INT_MAX) {
+            Py_DECREF(t);
+            if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "no fd %ld", fd);
+            return -1;
+        }
+        self->wake[i] = (int)fd;
     }
+    Py_DECREF(t);
+    self->eventfd = eventfd;
+    self->gate = (Gate *)Py_NewRef(gate);
     self->found = PyList_New(0);
     if (self->found == NULL) return -1;
     self->found_append = PyObject_GetAttrString(self->found, "append");
@@ -309,38 +431,33 @@ static void drop_pickler(WriterCore *self) {
 }
 
 static int W_traverse(WriterCore *self, visitproc visit, void *arg) {
-    Py_VISIT(self->wake);
+    Py_VISIT(self->gate);
     Py_VISIT(self->found);
     Py_VISIT(self->found_append);
     Py_VISIT(self->arrays);
-    Py_VISIT(self->gate);
     Py_VISIT(self->pickler);
     Py_VISIT(self->pickler_dump);
     Py_VISIT(self->pickler_clear);
     Py_VISIT(self->pieces);
-    Py_VISIT(self->dict);
     Py_VISIT(Py_TYPE(self));
     return 0;
 }
 
 static int W_clear(WriterCore *self) {
-    Py_CLEAR(self->wake);
+    Py_CLEAR(self->gate);
     Py_CLEAR(self->found);
     Py_CLEAR(self->found_append);
     Py_CLEAR(self->arrays);
-    Py_CLEAR(self->gate);
     drop_pickler(self);
-    Py_CLEAR(self->dict);
     return 0;
 }
 
 static void W_dealloc(WriterCore *self) {
     PyObject_GC_UnTrack(self);
-    if (self->weakreflist != NULL) PyObject_ClearWeakRefs((PyObject *)self);
     W_clear(self);
     self->m.exports = 0;
     mem_drop(&self->m);
-    PyMem_Free(self->wake_eventfd);
+    PyMem_Free(self->wake);
     PyMem_Free(self->signalled);
     plain_free(&self->plain);
     PyTypeObject *tp = Py_TYPE(self);
@@ -354,7 +471,7 @@ static int W_wake_readers(WriterCore *self) {
         uint64_t s = ld(rword(m, i, R_SLEEP));
         if (s && s != self->signalled[i]) {
             self->signalled[i] = s;
-            if (notify(PyTuple_GET_ITEM(self->wake, i), self->wake_eventfd[i]) < 0) return -1;
+            if (notify(self->wake[i], self->eventfd) < 0) return -1;
             self->wakeups++;
         }
     }
@@ -373,76 +490,29 @@ static int W_publish_(WriterCore *self) {
     return W_wake_readers(self);
 }
 
-/* The slowest waited-for reader's tail and count, read under the gate's lock (as the pure
- * refresh_limits reads them), into ``*lo_pos`` and ``*lo_count``, and the limits set from
- * them; -1 with an error set.  Called from C it spares a large put the Python call, whose
- * code and objects the put's copy has just pushed out of the caches. */
-static int W_refresh_gate_(WriterCore *self, uint64_t *lo_pos, uint64_t *lo_count) {
-    PyObject *gate = Py_NewRef(self->gate), *states = NULL, *it = NULL, *state;
-    PyObject *lock = PyObject_GetAttr(gate, str_lock);
-    Py_DECREF(gate);
-    if (lock == NULL) return -1;
-    PyObject *r = PyObject_CallMethodNoArgs(lock, str_acquire); /* may wait, the GIL let go */
-    if (r == NULL) {
-        Py_DECREF(lock);
-        return -1;
-    }
-    Py_DECREF(r);
-    int failed = 0;
-    /* Read after the lock is held: a slot changes, and states may be replaced, only under it. */
-    gate = self->gate;
-    if (gate == NULL || gate == Py_None || mem_released(&self->m)) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_RuntimeError, "the writer's gate went away while it waited");
-        failed = 1;
-    } else {
-        states = PyObject_GetAttr(gate, str_states);
-        it = states == NULL ? NULL : PyObject_GetIter(states);
-        failed = it == NULL;
-    }
+/* The slowest waited-for reader's tail and count, read under the gate's lock, into
+ * ``*lo_pos`` and ``*lo_count``, and the limits set from them; -1 with CorruptedError if a
+ * reader claims a position beyond the head.  Nothing here runs Python code. */
+static int W_refresh_(WriterCore *self, uint64_t *lo_pos, uint64_t *lo_count) {
+    Gate *gate = self->gate;
+    Mem *m = &self->m;
     /* From the published head, not the cursor: a reader attaching now starts there. */
     uint64_t pos = self->head, count = self->head_count;
-    Mem *m = &self->m;
-    for (uint64_t i = 0; !failed && (state = PyIter_Next(it)) != NULL; i++) {
-        int waited = PySequence_Contains(waited_for, state);
-        Py_DECREF(state);
-        if (waited < 0 || (waited && i >= m->readers)) {
-            if (waited > 0)
-                PyErr_Format(PyExc_IndexError, "slot %llu of a ring of %llu readers",
-                             (unsigned long long)i, (unsigned long long)m->readers);
-            failed = 1;
-            break;
-        }
-        if (!waited) continue;
-        if (mem_released(m)) { /* let go by the Python code the states may have run */
-            failed = 1;
-            break;
-        }
+    gate_lock(gate);
+    for (uint64_t i = 0; i < m->readers; i++) {
+        if (!WAITED_FOR(gate->states[i])) continue;
         uint64_t t = ld(rword(m, i, R_TAIL)), c = ld(rword(m, i, R_TAIL_COUNT));
         if (t > self->head || c > self->head_count) {
+            PyThread_release_lock(gate->lock);
             PyErr_Format(CorruptedError, "reader %llu claims position %llu/%llu beyond the head "
                          "%llu/%llu", (unsigned long long)i, (unsigned long long)t,
                          (unsigned long long)c, self->head, self->head_count);
-            failed = 1;
-            break;
+            return -1;
         }
         if (t < pos) pos = t;
         if (c < count) count = c;
     }
-    if (!failed && PyErr_Occurred()) failed = 1; /* the iteration's own error */
-    Py_XDECREF(it);
-    Py_XDECREF(states);
-    PyObject *type, *exc, *tb;
-    PyErr_Fetch(&type, &exc, &tb);
-    r = PyObject_CallMethodNoArgs(lock, str_release);
-    Py_DECREF(lock);
-    if (r == NULL) {
-        if (failed) PyErr_Clear(); /* the first error is the one to report */
-        failed = 1;
-    }
-    Py_XDECREF(r);
-    if (type != NULL) PyErr_Restore(type, exc, tb);
-    if (failed) return -1;
+    PyThread_release_lock(gate->lock);
     self->limit_pos = pos + m->cap;
     self->limit_count = count + m->max_messages;
     *lo_pos = pos;
@@ -450,27 +520,10 @@ static int W_refresh_gate_(WriterCore *self, uint64_t *lo_pos, uint64_t *lo_coun
     return 0;
 }
 
-/* The limits re-read: from the gate here, or by the subclass's refresh_limits without one. */
-static int W_refresh_(WriterCore *self) {
-    if (self->gate != NULL && self->gate != Py_None) {
-        uint64_t pos, count;
-        return W_refresh_gate_(self, &pos, &count);
-    }
-    PyObject *r = PyObject_CallMethodNoArgs((PyObject *)self, str_refresh_limits);
-    if (r == NULL) return -1;
-    Py_DECREF(r);
-    return mem_released(&self->m) ? -1 : 0;
-}
-
 static PyObject *W_refresh_limits(WriterCore *self, PyObject *unused) {
     if (mem_released(&self->m)) return NULL;
-    if (self->gate == NULL || self->gate == Py_None) {
-        PyErr_SetString(PyExc_NotImplementedError,
-                        "refresh_limits needs a gate, or a subclass's own");
-        return NULL;
-    }
     uint64_t pos, count;
-    if (W_refresh_gate_(self, &pos, &count) < 0) return NULL;
+    if (W_refresh_(self, &pos, &count) < 0) return NULL;
     return Py_BuildValue("(KK)", (unsigned long long)pos, (unsigned long long)count);
 }
 
@@ -478,17 +531,17 @@ static PyObject *W_refresh_limits(WriterCore *self, PyObject *unused) {
  * of the data area before it, which sends the record back to the start.  It goes back where
  * it would cross the end, and also (a rewind) where the cursor is a quarter of the area or
  * REWIND_AT in, whichever is more, and no unread byte lies in the record's way at the
- * start; _layout.py says why.  Whether anything unread is in the way is read afresh at most
+ * start; format.py says why.  Whether anything unread is in the way is read afresh at most
  * once per that many bytes.  -1 on error. */
 static int64_t W_span_(WriterCore *self, uint64_t size) {
     uint64_t cap = self->m.cap, pos = self->pos, off = pos % cap;
     uint64_t at = cap / 4 > REWIND_AT ? cap / 4 : REWIND_AT;
     if (off + size > cap) return (int64_t)(cap - off + size);
     if (off < at) return (int64_t)size;
-    uint64_t back = cap - off + size;
+    uint64_t back = cap - off + size, lo_pos, lo_count;
     if (pos + back > self->limit_pos) {
         if (pos < self->rewind_try) return (int64_t)size;
-        if (W_refresh_(self) < 0) return -1;
+        if (W_refresh_(self, &lo_pos, &lo_count) < 0) return -1;
         if (pos + back > self->limit_pos) {
             self->rewind_try = pos + at;
             return (int64_t)size;
@@ -507,8 +560,9 @@ static int64_t W_claim_(WriterCore *self, uint64_t size, uint64_t messages) {
     int64_t spanned = W_span_(self, size);
     if (spanned < 0) return -1;
     uint64_t cap = m->cap, pos = self->pos, off = pos % cap, span = (uint64_t)spanned;
+    uint64_t lo_pos, lo_count;
     if (pos + span > self->limit_pos || self->count + messages > self->limit_count) {
-        if (W_refresh_(self) < 0) return -1;
+        if (W_refresh_(self, &lo_pos, &lo_count) < 0) return -1;
         if (pos + span > self->limit_pos || self->count + messages > self->limit_count) {
             self->need_span = span;
             self->need_count = messages;
@@ -521,6 +575,18 @@ static int64_t W_claim_(WriterCore *self, uint64_t size, uint64_t messages) {
         off = 0;
     }
     return (int64_t)off;
+}
+
+static PyObject *W_claim(WriterCore *self, PyObject *const *args, Py_ssize_t nargs) {
+    uint64_t size, messages;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "claim(size, count)");
+        return NULL;
+    }
+    if (u64_arg(args[0], &size) < 0 || u64_arg(args[1], &messages) < 0) return NULL;
+    int64_t off = W_claim_(self, size, messages);
+    if (off == -1) return NULL;
+    return PyLong_FromLongLong(off < 0 ? -1 : off);
 }
 
 /* The claimed record at ``off`` is written: account for it and publish (1, or -1). */
@@ -599,13 +665,28 @@ static PyObject *W_put_buffer(WriterCore *self, PyObject *const *args, Py_ssize_
     return PyBool_FromLong(r);
 }
 
+/* Whether ``obj`` is exactly a numpy.ndarray: numpy's own type, looked up in sys.modules
+ * the first time an object of that type name is seen (another type so named is not one). */
+static int is_ndarray(PyObject *obj) {
+    PyTypeObject *t = Py_TYPE(obj);
+    if (t == ndarray_type) return 1;
+    if (ndarray_type != NULL || strcmp(t->tp_name, "numpy.ndarray") != 0) return 0;
+    PyObject *np = PyImport_GetModule(str_numpy);
+    PyObject *cls = np == NULL ? NULL : PyObject_GetAttr(np, str_ndarray);
+    Py_XDECREF(np);
+    PyErr_Clear();
+    if (cls != NULL && PyType_Check(cls))
+        ndarray_type = (PyTypeObject *)cls; /* kept: numpy is never unloaded */
+    else
+        Py_XDECREF(cls);
+    return t == ndarray_type;
+}
+
 /* The pickle (data aside) that ``arrays`` holds for ``arr``, a numpy.ndarray, as a new
  * reference; NULL (no error set) where the serializer's own way is needed: no such pickle
- * yet, a subclass, or a dtype that is not a builtin one (its pickle would say more). */
+ * yet, or a dtype that is not a builtin one (its pickle would say more). */
 static PyObject *array_main(WriterCore *self, PyObject *arr) {
-    if (self->arrays == NULL || !PyDict_CheckExact(self->arrays)
-        || Py_TYPE(arr)->tp_base != &PyBaseObject_Type)
-        return NULL;
+    if (self->arrays == NULL || !PyDict_CheckExact(self->arrays)) return NULL;
     PyObject *main = NULL, *key = NULL, *builtin = NULL;
     PyObject *dtype = PyObject_GetAttr(arr, str_dtype);
     PyObject *shape = dtype == NULL ? NULL : PyObject_GetAttr(arr, str_shape);
@@ -768,8 +849,7 @@ static PyObject *W_put_object(WriterCore *self, PyObject *const *args, Py_ssize_
     self->dumps_failed = 0;
     if (mem_released(&self->m)) return NULL;
     PyObject *obj = args[0];
-    if (strcmp(Py_TYPE(obj)->tp_name, "numpy.ndarray") == 0)
-        return messages == 1 ? W_put_array_(self, obj) : PyTuple_New(0);
+    if (is_ndarray(obj)) return messages == 1 ? W_put_array_(self, obj) : PyTuple_New(0);
     int own = !self->in_dumps && args[1] == pickle_dumps;
     if (!self->in_dumps && plain_as_pickle(args[1])) {
         int plain = plain_dump(&self->plain, obj);
@@ -867,17 +947,21 @@ static PyMethodDef W_methods[] = {
     {"refresh_limits", (PyCFunction)W_refresh_limits, METH_NOARGS,
      "Re-read the tails of the readers the gate waits for, under its lock, and set the limits "
      "from the slowest: returns (min tail, min count)."},
+    {"span", (PyCFunction)W_span, METH_O,
+     "Bytes a record of this size takes at the cursor, with the PAD before it if any."},
+    {"claim", (PyCFunction)(void (*)(void))W_claim, METH_FASTCALL,
+     "The data-area offset of room for a record of ``size`` bytes holding ``count`` messages "
+     "(its PAD written), or -1: no room now, or too big."},
     {"put_plain", (PyCFunction)(void (*)(void))W_put_plain, METH_FASTCALL,
      "Write and publish one record without buffers if there is room now: the hot path."},
     {"put_buffer", (PyCFunction)(void (*)(void))W_put_buffer, METH_FASTCALL,
      "Write and publish one message with one out-of-band buffer if there is room now."},
     {"put_object", (PyCFunction)(void (*)(void))W_put_object, METH_FASTCALL,
      "Pickle an object and put it as one plain record if it is one; else what is left."},
-    {"span", (PyCFunction)W_span, METH_O,
-     "Bytes a record of this size takes at the cursor, with the PAD before it if any."},
-    {"publish", (PyCFunction)W_publish, METH_NOARGS, "Make what was written visible."},
-    {"_wake_readers", (PyCFunction)W_wake_readers_py, METH_NOARGS,
-     "Wake each reader that sleeps in an episode not yet woken."},
+    {"publish", (PyCFunction)W_publish, METH_NOARGS,
+     "Make what was written visible, and wake the readers that sleep."},
+    {"wake_readers", (PyCFunction)W_wake_readers_py, METH_NOARGS,
+     "Wake each reader that sleeps in an episode not woken yet."},
     {"release", (PyCFunction)W_release, METH_NOARGS,
      "Stop touching the ring's memory (the segment is being unmapped)."},
     {NULL}};
@@ -901,16 +985,13 @@ static PyMemberDef W_members[] = {
     U64RO(WriterCore, max_record, "largest record written whole"),
     {"dumps_failed", T_BOOL, offsetof(WriterCore, dumps_failed), 0,
      "the last put_object's error came from dumps"},
-    {"gate", T_OBJECT, offsetof(WriterCore, gate), 0,
-     "the slots to wait for; without one, a subclass's refresh_limits says"},
     {"arrays", T_OBJECT, offsetof(WriterCore, arrays), 0,
      "the stream pickles of numpy arrays by (dtype, shape), which put_object writes arrays with"},
-    {"__weaklistoffset__", T_PYSSIZET, offsetof(WriterCore, weakreflist), READONLY},
-    {"__dictoffset__", T_PYSSIZET, offsetof(WriterCore, dict), READONLY},
     {NULL}};
 
 static PyType_Slot W_slots[] = {
-    {Py_tp_doc, "The writer's per-message work: write, publish, wake sleeping readers."},
+    {Py_tp_doc, "The writer's per-message work: claim room, write a record, publish, wake "
+                "readers."},
     {Py_tp_new, PyType_GenericNew},
     {Py_tp_init, W_init},
     {Py_tp_dealloc, W_dealloc},
@@ -925,7 +1006,7 @@ static PyType_Slot W_slots[] = {
 static PyType_Spec W_spec = {
     .name = "aioshmq.ring.compiled.WriterCore",
     .basicsize = sizeof(WriterCore),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .slots = W_slots,
 };
 
@@ -934,66 +1015,61 @@ static PyType_Spec W_spec = {
 typedef struct {
     PyObject_HEAD
     Mem m;
-    unsigned long long index, tail, count, head, shown_tail, shown_count, wakeups, messages;
+    unsigned long long index, tail, count, head, shown_tail, shown_count, wakeups;
     unsigned long long taken, taken_bytes, episode;
     PyObject *pins;     /* list of (pos, count) of leased records, oldest first */
-    PyObject *partial;  /* a fragmented message being reassembled, or None */
-    char skipping;      /* joined in the middle of a fragmented message */
-    PyObject *wake_writer; /* the writer's Notifier */
+    PyObject *name;     /* the ring's name, for ReaderEvicted */
+    char assembling;    /* a fragmented message is being put together: the fast paths pass */
+    int wake_writer;    /* the writer's wake-up fd */
     int writer_eventfd;
-    PyObject *weakreflist;
-    PyObject *dict;
 } ReaderCore;
 
 static int R_init(ReaderCore *self, PyObject *args, PyObject *kwds) {
-    PyObject *buf, *wake;
+    PyObject *buf, *name;
     Py_ssize_t data_offset;
     unsigned long long cap, max_messages, readers, index;
-    static char *kwlist[] = {"mapping", "data_offset", "capacity",    "max_messages",
-                             "readers", "index",       "wake_writer", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OnKKKKO:ReaderCore", kwlist, &buf,
-                                     &data_offset, &cap, &max_messages, &readers, &index, &wake))
+    int wake_fd, eventfd;
+    static char *kwlist[] = {"mapping", "data_offset", "capacity", "max_messages", "readers",
+                             "index",   "wake_fd",     "eventfd",  "name",         NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OnKKKKipU:ReaderCore", kwlist, &buf,
+                                     &data_offset, &cap, &max_messages, &readers, &index,
+                                     &wake_fd, &eventfd, &name))
         return -1;
     if (index >= readers) {
         PyErr_Format(PyExc_ValueError, "reader %llu of a ring with %llu slots", index, readers);
         return -1;
     }
+    if (wake_fd < 0) {
+        PyErr_Format(PyExc_ValueError, "no fd %d", wake_fd);
+        return -1;
+    }
     if (mem_init(&self->m, buf, data_offset, cap, max_messages, readers) < 0) return -1;
-    int e = is_eventfd(wake);
-    if (e < 0) return -1;
-    self->writer_eventfd = e;
-    self->wake_writer = Py_NewRef(wake);
+    self->wake_writer = wake_fd;
+    self->writer_eventfd = eventfd;
+    self->name = Py_NewRef(name);
     self->index = index;
     self->tail = self->head = self->shown_tail = ld_acquire(rword(&self->m, index, R_TAIL));
     self->count = self->shown_count = ld(rword(&self->m, index, R_TAIL_COUNT));
-    self->messages = 1;
     self->pins = PyList_New(0);
     if (self->pins == NULL) return -1;
-    self->partial = Py_NewRef(Py_None);
     return 0;
 }
 
 static int R_traverse(ReaderCore *self, visitproc visit, void *arg) {
     Py_VISIT(self->pins);
-    Py_VISIT(self->partial);
-    Py_VISIT(self->wake_writer);
-    Py_VISIT(self->dict);
     Py_VISIT(Py_TYPE(self));
     return 0;
 }
 
 static int R_clear(ReaderCore *self) {
     Py_CLEAR(self->pins);
-    Py_CLEAR(self->partial);
-    Py_CLEAR(self->wake_writer);
-    Py_CLEAR(self->dict);
     return 0;
 }
 
 static void R_dealloc(ReaderCore *self) {
     PyObject_GC_UnTrack(self);
-    if (self->weakreflist != NULL) PyObject_ClearWeakRefs((PyObject *)self);
     R_clear(self);
+    Py_CLEAR(self->name);
     self->m.exports = 0;
     mem_drop(&self->m);
     PyTypeObject *tp = Py_TYPE(self);
@@ -1001,38 +1077,16 @@ static void R_dealloc(ReaderCore *self) {
     Py_DECREF(tp);
 }
 
-/* 1 if there is something past the tail, 0 if not, -1 on a corrupt head. */
-static int R_refresh_(ReaderCore *self) {
-    uint64_t head = ld_acquire(wword(&self->m, W_HEAD));
-    self->head = head;
-    if ((head | self->tail) % RECORD_ALIGN) {
-        self->head = self->tail;
-        PyErr_Format(CorruptedError,
-                     "head %llu or reader %llu's tail %llu is not a record boundary (a "
-                     "multiple of %d)",
-                     (unsigned long long)head, self->index, self->tail, RECORD_ALIGN);
-        return -1;
-    }
-    if (head - self->tail > self->m.cap || head < self->tail) {
-        self->head = self->tail;
-        PyErr_Format(CorruptedError, "head %llu is %s reader %llu's tail %llu",
-                     (unsigned long long)head,
-                     head < self->tail ? "behind" : "more than a ring ahead of", self->index,
-                     self->tail);
-        return -1;
-    }
-    return self->tail != head;
-}
-
-/* -1 with ReaderEvicted raised, through the subclass's _evicted(mark): the writer evicted
- * this reader.  Any error already set (from a load of a record the writer may have
- * overwritten) is dropped: it means nothing once the reader is evicted. */
+/* -1 with ReaderEvicted raised: the writer evicted this reader.  Any error already set
+ * (from a load of a record the writer may have overwritten) is dropped: it means nothing
+ * once the reader is evicted. */
 static int R_raise_evicted(ReaderCore *self, uint64_t mark) {
     PyErr_Clear();
-    PyObject *r = PyObject_CallMethod((PyObject *)self, "_evicted", "K", (unsigned long long)mark);
-    if (r != NULL) {
-        Py_DECREF(r);
-        PyErr_SetString(PyExc_RuntimeError, "this reader was evicted by its writer");
+    PyObject *exc = PyObject_CallFunction(ReaderEvicted, "OKd", self->name, self->index,
+                                          (double)mark / 1000.0);
+    if (exc != NULL) {
+        PyErr_SetObject(ReaderEvicted, exc);
+        Py_DECREF(exc);
     }
     return -1;
 }
@@ -1049,6 +1103,31 @@ static inline int R_check_evicted_(ReaderCore *self) {
 static inline int R_recheck_evicted_(ReaderCore *self) {
     atomic_thread_fence(memory_order_acquire);
     return R_check_evicted_(self);
+}
+
+/* 1 if there is something past the tail, 0 if not, -1 on a corrupt head or an eviction
+ * (looked at first: a writer that evicted this reader may have lapped it). */
+static int R_refresh_(ReaderCore *self) {
+    if (R_check_evicted_(self) < 0) return -1;
+    uint64_t head = ld_acquire(wword(&self->m, W_HEAD));
+    self->head = head;
+    if ((head | self->tail) % RECORD_ALIGN) {
+        self->head = self->tail;
+        PyErr_Format(CorruptedError,
+                     "head %llu or reader %llu's tail %llu is not a record boundary (a "
+                     "multiple of %llu)",
+                     (unsigned long long)head, self->index, self->tail, RECORD_ALIGN);
+        return -1;
+    }
+    if (head - self->tail > self->m.cap || head < self->tail) {
+        self->head = self->tail;
+        PyErr_Format(CorruptedError, "head %llu is %s reader %llu's tail %llu",
+                     (unsigned long long)head,
+                     head < self->tail ? "behind" : "more than a ring ahead of", self->index,
+                     self->tail);
+        return -1;
+    }
+    return self->tail != head;
 }
 
 static inline int R_available_(ReaderCore *self) {
@@ -1106,65 +1185,34 @@ static PyObject *R_publish(ReaderCore *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
-/* The next record's payload if it is one whole plain message, else NULL (no error set):
- * every bound is checked here; next() reports what is wrong with anything refused. */
-static int R_peek_plain(ReaderCore *self, const uint8_t **payload, uint64_t *n) {
+/* The next record if it holds whole messages without buffers (one, or with ``batches`` a
+ * batch), loaded with ``loads`` and consumed even if ``loads`` raises: (object, messages),
+ * ``empty`` for anything else (next() then handles it, or reports what is wrong with it:
+ * every bound is checked here first), NULL with an error set. */
+static PyObject *R_load_plain(ReaderCore *self, PyObject *loads, PyObject *empty, int batches,
+                              uint64_t *messages) {
     Mem *m = &self->m;
-    if (R_check_evicted_(self) < 0) return -1;
+    if (mem_released(m)) return NULL;
+    if (R_check_evicted_(self) < 0) return NULL;
     uint64_t tail = self->tail;
     if (tail == self->head) {
         int r = R_refresh_(self);
-        if (r <= 0) return r;
+        if (r < 0) return NULL;
+        if (r == 0) return Py_NewRef(empty);
     }
     uint64_t cap = m->cap, off = tail % cap;
     uint64_t word = ld(dword(m, off));
-    if ((word & 0xFF) != MSG || self->partial != Py_None || self->skipping) return 0;
-    uint64_t len = word >> 8;
+    uint64_t kind = word & 0xFF, len = word >> 8;
+    *messages = 1;
+    if ((kind != MSG && !(batches && kind == (MSG | BATCH))) || self->assembling)
+        return Py_NewRef(empty);
     if (len > cap || off + HEADER_SIZE + len > cap || HEADER_SIZE + len > self->head - tail)
-        return 0;
-    *payload = m->data + off + HEADER_SIZE;
-    *n = len;
-    return 1;
-}
-
-static PyObject *R_take_plain(ReaderCore *self, PyObject *unused) {
-    if (mem_released(&self->m)) return NULL;
-    const uint8_t *p;
-    uint64_t n;
-    int r = R_peek_plain(self, &p, &n);
-    if (r < 0) return NULL;
-    if (r == 0) Py_RETURN_NONE;
-    return mem_view(&self->m, (PyObject *)self, p, n);
-}
-
-static PyObject *R_consume_plain(ReaderCore *self, PyObject *payload) {
-    if (mem_released(&self->m)) return NULL;
-    Py_ssize_t n = PyObject_Length(payload);
-    if (n < 0) return NULL;
-    if (R_recheck_evicted_(self) < 0) return NULL;
-    self->tail += record_size((uint64_t)n);
-    self->count += 1;
-    self->taken += 1;
-    self->taken_bytes += (uint64_t)n;
-    if (R_publish_(self) < 0) return NULL;
-    Py_RETURN_NONE;
-}
-
-/* get_plain(loads, empty): the next plain message loaded with ``loads`` and consumed, or
- * ``empty`` if the next record is anything else (or there is none). */
-static PyObject *R_get_plain(ReaderCore *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "get_plain(loads, empty)");
-        return NULL;
+        return Py_NewRef(empty);
+    if (kind & BATCH) {
+        *messages = ld(dword(m, off + 8));
+        if (*messages < 2 || *messages > m->max_messages) return Py_NewRef(empty);
     }
-    Mem *m = &self->m;
-    if (mem_released(m)) return NULL;
-    const uint8_t *p;
-    uint64_t n;
-    int r = R_peek_plain(self, &p, &n);
-    if (r < 0) return NULL;
-    if (r == 0) return Py_NewRef(args[1]);
-    PyObject *obj = mem_load(m, (PyObject *)self, args[0], p, n);
+    PyObject *obj = mem_load(m, (PyObject *)self, loads, m->data + off + HEADER_SIZE, len);
     if (m->base == NULL) { /* released while loading (closed from a __setstate__?) */
         Py_XDECREF(obj);
         mem_released(m);
@@ -1174,15 +1222,26 @@ static PyObject *R_get_plain(ReaderCore *self, PyObject *const *args, Py_ssize_t
         Py_XDECREF(obj);
         return NULL;
     }
-    self->tail += record_size(n);
-    self->count += 1;
-    self->taken += 1;
-    self->taken_bytes += n;
+    self->tail += record_size(len);
+    self->count += *messages;
+    self->taken += *messages;
+    self->taken_bytes += len;
     if (R_publish_(self) < 0) {
         Py_XDECREF(obj);
         return NULL;
     }
     return obj;
+}
+
+/* get_plain(loads, empty): the next plain message loaded with ``loads`` and consumed, or
+ * ``empty`` if the next record is anything else (or there is none). */
+static PyObject *R_get_plain(ReaderCore *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "get_plain(loads, empty)");
+        return NULL;
+    }
+    uint64_t messages;
+    return R_load_plain(self, args[0], args[1], 0, &messages);
 }
 
 /* get_record(loads, empty): the next record if it holds whole messages without buffers (one,
@@ -1193,44 +1252,9 @@ static PyObject *R_get_record(ReaderCore *self, PyObject *const *args, Py_ssize_
         PyErr_SetString(PyExc_TypeError, "get_record(loads, empty)");
         return NULL;
     }
-    Mem *m = &self->m;
-    if (mem_released(m)) return NULL;
-    if (R_check_evicted_(self) < 0) return NULL;
-    uint64_t tail = self->tail;
-    if (tail == self->head) {
-        int r = R_refresh_(self);
-        if (r < 0) return NULL;
-        if (r == 0) return Py_NewRef(args[1]);
-    }
-    uint64_t cap = m->cap, off = tail % cap;
-    uint64_t word = ld(dword(m, off));
-    uint64_t kind = word & 0xFF, len = word >> 8, messages = 1;
-    if ((kind != MSG && kind != (MSG | BATCH)) || self->partial != Py_None || self->skipping)
-        return Py_NewRef(args[1]);
-    if (len > cap || off + HEADER_SIZE + len > cap || HEADER_SIZE + len > self->head - tail)
-        return Py_NewRef(args[1]);
-    if (kind & BATCH) {
-        messages = ld(dword(m, off + 8));
-        if (messages < 2 || messages > m->max_messages) return Py_NewRef(args[1]);
-    }
-    PyObject *obj = mem_load(m, (PyObject *)self, args[0], m->data + off + HEADER_SIZE, len);
-    if (m->base == NULL) {
-        Py_XDECREF(obj);
-        mem_released(m);
-        return NULL;
-    }
-    if (R_recheck_evicted_(self) < 0) {
-        Py_XDECREF(obj);
-        return NULL;
-    }
-    self->tail += record_size(len);
-    self->count += messages;
-    self->taken += messages;
-    self->taken_bytes += len;
-    if (R_publish_(self) < 0 || obj == NULL) {
-        Py_XDECREF(obj);
-        return NULL;
-    }
+    uint64_t messages;
+    PyObject *obj = R_load_plain(self, args[0], args[1], 1, &messages);
+    if (obj == NULL || obj == args[1]) return obj;
     return Py_BuildValue("(NK)", obj, (unsigned long long)messages);
 }
 
@@ -1274,8 +1298,10 @@ static PyObject *R_spin(ReaderCore *self, PyObject *arg) {
     Py_RETURN_TRUE;
 }
 
-/* next(): the next whole message as (payload, kind, ring bytes), not consumed; None if none.
- * Fragments go to the Python method _fragment(off, base, kind, length) of the subclass. */
+/* next(): the next record that is not padding as (payload, kind, ring bytes, aux), not
+ * consumed (the PADs before it are); None if nothing is published past the tail.  The
+ * record is checked as layout.check_record checks it: a known kind (KIND_KNOWN), within
+ * the ring and the head, and a batch's count within the ring's bounds. */
 static PyObject *R_next(ReaderCore *self, PyObject *unused) {
     Mem *m = &self->m;
     if (mem_released(m)) return NULL;
@@ -1288,6 +1314,11 @@ static PyObject *R_next(ReaderCore *self, PyObject *unused) {
         uint64_t off = self->tail % cap;
         uint64_t word = ld(dword(m, off));
         uint64_t kind = word & 0xFF, length = word >> 8;
+        if (!KIND_KNOWN[kind]) {
+            PyErr_Format(CorruptedError, "unknown record kind 0x%x at position %llu",
+                         (unsigned)kind, self->tail);
+            return NULL;
+        }
         if (length > cap || off + HEADER_SIZE + length > cap
             || HEADER_SIZE + length > self->head - self->tail) {
             int ring_end = length > cap || off + HEADER_SIZE + length > cap;
@@ -1304,62 +1335,46 @@ static PyObject *R_next(ReaderCore *self, PyObject *unused) {
                              self->head);
             return NULL;
         }
-        uint64_t end = off + HEADER_SIZE + length;
-        uint64_t base = kind & KIND_MASK;
-        if (base == MSG) {
-            if (self->partial != Py_None || self->skipping) {
-                Py_SETREF(self->partial, Py_NewRef(Py_None));
-                self->skipping = 0; /* the writer gave that one up */
-            }
-            if (kind & BATCH) {
-                uint64_t k = ld(dword(m, off + 8));
-                if (k < 2 || k > m->max_messages) {
-                    PyErr_Format(CorruptedError,
-                                 "batch at position %llu claims %llu messages (max_messages=%llu)",
-                                 self->tail, (unsigned long long)k,
-                                 (unsigned long long)m->max_messages);
-                    return NULL;
-                }
-                self->messages = k;
-            } else {
-                self->messages = 1;
-            }
-            PyObject *view = mem_view(m, (PyObject *)self, m->data + off + HEADER_SIZE, length);
-            if (view == NULL) return NULL;
-            return Py_BuildValue("(NKK)", view, (unsigned long long)kind,
-                                 (unsigned long long)record_size(length));
-        }
-        if (base == PAD) {
-            if (end != cap) {
+        if (kind == PAD) {
+            if (off + HEADER_SIZE + length != cap) {
                 PyErr_Format(CorruptedError,
                              "padding at position %llu of %llu bytes stops short of the end",
                              self->tail, (unsigned long long)length);
                 return NULL;
             }
             self->tail += cap - off;
-        } else if (base == FIRST || base == MIDDLE || base == LAST) {
-            PyObject *whole = PyObject_CallMethod((PyObject *)self, "_fragment", "KKKK",
-                                                  (unsigned long long)off,
-                                                  (unsigned long long)base,
-                                                  (unsigned long long)kind,
-                                                  (unsigned long long)length);
-            if (whole == NULL) return NULL;
-            if (whole != Py_None) {
-                PyObject *pk = PyObject_GetAttrString((PyObject *)self, "partial_kind");
-                if (pk == NULL) {
-                    Py_DECREF(whole);
-                    return NULL;
-                }
-                return Py_BuildValue("(NNi)", whole, pk, 0);
-            }
-            Py_DECREF(whole);
-            if (mem_released(m)) return NULL;
-        } else {
-            PyErr_Format(CorruptedError, "unknown record kind %llu at position %llu",
-                         (unsigned long long)kind, self->tail);
+            continue;
+        }
+        uint64_t aux = 0;
+        if ((kind & BATCH) || (kind & KIND_MASK) == FIRST) aux = ld(dword(m, off + 8));
+        if ((kind & BATCH) && (aux < 2 || aux > m->max_messages)) {
+            PyErr_Format(CorruptedError,
+                         "batch at position %llu claims %llu messages (max_messages=%llu)",
+                         self->tail, (unsigned long long)aux, (unsigned long long)m->max_messages);
             return NULL;
         }
+        PyObject *view = mem_view(m, (PyObject *)self, m->data + off + HEADER_SIZE, length);
+        if (view == NULL) return NULL;
+        return Py_BuildValue("(NKKK)", view, (unsigned long long)kind,
+                             (unsigned long long)record_size(length), (unsigned long long)aux);
     }
+}
+
+/* consume(size, messages): step past ``size`` ring bytes holding ``messages`` messages once
+ * they were read (not published); ReaderEvicted instead if the writer evicted this reader
+ * meanwhile, as what was read may then be torn. */
+static PyObject *R_consume(ReaderCore *self, PyObject *const *args, Py_ssize_t nargs) {
+    uint64_t size, messages;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "consume(size, messages)");
+        return NULL;
+    }
+    if (u64_arg(args[0], &size) < 0 || u64_arg(args[1], &messages) < 0) return NULL;
+    if (mem_released(&self->m)) return NULL;
+    if (R_recheck_evicted_(self) < 0) return NULL;
+    self->tail += size;
+    self->count += messages;
+    Py_RETURN_NONE;
 }
 
 static PyObject *R_prepare_sleep(ReaderCore *self, PyObject *unused) {
@@ -1402,13 +1417,10 @@ static void R_releasebuffer(ReaderCore *self, Py_buffer *view) { mem_releasebuff
 static PyMethodDef R_methods[] = {
     {"refresh", (PyCFunction)R_refresh, METH_NOARGS,
      "Load the published head; True if there is something past this reader's tail."},
-    {"available", (PyCFunction)R_available, METH_NOARGS, "Something to read now."},
+    {"available", (PyCFunction)R_available, METH_NOARGS,
+     "Whether something is published past this reader's tail."},
     {"publish", (PyCFunction)R_publish, METH_NOARGS,
      "Store the tail; wake the writer if this step crossed the point it sleeps for."},
-    {"take_plain", (PyCFunction)R_take_plain, METH_NOARGS,
-     "The next record's payload if it is one whole message without buffers, else None."},
-    {"consume_plain", (PyCFunction)R_consume_plain, METH_O,
-     "Step past the record take_plain returned and publish the new tail."},
     {"get_plain", (PyCFunction)(void (*)(void))R_get_plain, METH_FASTCALL,
      "The next plain message, loaded and consumed; ``empty`` if the next is not plain."},
     {"get_record", (PyCFunction)(void (*)(void))R_get_record, METH_FASTCALL,
@@ -1416,7 +1428,9 @@ static PyMethodDef R_methods[] = {
     {"spin", (PyCFunction)R_spin, METH_O,
      "Watch the ring up to ``seconds`` without the GIL: True once there is news."},
     {"next", (PyCFunction)R_next, METH_NOARGS,
-     "The next whole message as (payload, kind, ring bytes), not consumed; None if none."},
+     "The next record that is not padding, as (payload, kind, ring bytes, aux), not consumed."},
+    {"consume", (PyCFunction)(void (*)(void))R_consume, METH_FASTCALL,
+     "Step past ``size`` ring bytes holding ``messages`` messages, once read."},
     {"prepare_sleep", (PyCFunction)R_prepare_sleep, METH_NOARGS,
      "Announce that this reader is about to sleep; False if data or the end arrived."},
     {"end_sleep", (PyCFunction)R_end_sleep, METH_NOARGS, "The reader is awake."},
@@ -1434,15 +1448,12 @@ static PyMemberDef R_members[] = {
     U64M(ReaderCore, shown_tail, "the tail last published"),
     U64M(ReaderCore, shown_count, "the count last published"),
     U64M(ReaderCore, wakeups, "wake-up syscalls made to the writer"),
-    U64M(ReaderCore, messages, "how many messages the record next() returned holds"),
-    U64M(ReaderCore, taken, "messages taken through the plain path"),
+    U64M(ReaderCore, taken, "messages taken through the plain paths"),
     U64M(ReaderCore, taken_bytes, "their payload bytes"),
     U64M(ReaderCore, episode, "the current sleep episode id"),
     {"pins", T_OBJECT, offsetof(ReaderCore, pins), 0, "leased records, oldest first"},
-    {"partial", T_OBJECT, offsetof(ReaderCore, partial), 0, "a message being reassembled"},
-    {"skipping", T_BOOL, offsetof(ReaderCore, skipping), 0, "joined mid-message"},
-    {"__weaklistoffset__", T_PYSSIZET, offsetof(ReaderCore, weakreflist), READONLY},
-    {"__dictoffset__", T_PYSSIZET, offsetof(ReaderCore, dict), READONLY},
+    {"assembling", T_BOOL, offsetof(ReaderCore, assembling), 0,
+     "a fragmented message is being put together: the fast paths leave every record to next()"},
     {NULL}};
 
 static PyType_Slot R_slots[] = {
@@ -1461,7 +1472,7 @@ static PyType_Slot R_slots[] = {
 static PyType_Spec R_spec = {
     .name = "aioshmq.ring.compiled.ReaderCore",
     .basicsize = sizeof(ReaderCore),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .slots = R_slots,
 };
 
@@ -1500,11 +1511,32 @@ static PyMethodDef module_methods[] = {
     {"acquire", py_acquire, METH_NOARGS, "Acquire fence: earlier loads before later accesses."},
     {NULL}};
 
-static int add_int(PyObject *d, const char *name, long long v) {
-    PyObject *o = PyLong_FromLongLong(v);
-    if (o == NULL) return -1;
-    int r = PyDict_SetItemString(d, name, o);
-    Py_DECREF(o);
+static PyObject *add_type(PyObject *mod, PyType_Spec *spec, const char *name) {
+    PyObject *t = PyType_FromModuleAndSpec(mod, spec, NULL);
+    if (t == NULL || PyModule_AddObjectRef(mod, name, t) < 0) {
+        Py_XDECREF(t);
+        return NULL;
+    }
+    return t;
+}
+
+/* The constants this core was built with (format.h), by name: a test compares them with
+ * format.py, so a core built from another format is found out. */
+static int add_format(PyObject *mod) {
+    PyObject *d = PyDict_New(), *v;
+    if (d == NULL) return -1;
+#define ADD(name)                                                                 \
+    v = PyLong_FromUnsignedLongLong(name);                                        \
+    if (v == NULL || PyDict_SetItemString(d, #name, v) < 0) {                     \
+        Py_XDECREF(v);                                                            \
+        Py_DECREF(d);                                                             \
+        return -1;                                                                \
+    }                                                                             \
+    Py_DECREF(v);
+    FORMAT_CONSTANTS(ADD)
+#undef ADD
+    int r = PyModule_AddObjectRef(mod, "FORMAT", d);
+    Py_DECREF(d);
     return r;
 }
 
@@ -1512,20 +1544,11 @@ static int module_exec(PyObject *mod) {
     PyObject *errors = PyImport_ImportModule("aioshmq.base.errors");
     if (errors == NULL) return -1;
     CorruptedError = PyObject_GetAttrString(errors, "CorruptedError");
+    ReaderEvicted = PyObject_GetAttrString(errors, "ReaderEvicted");
     Py_DECREF(errors);
-    if (CorruptedError == NULL) return -1;
-    PyObject *gate_module = PyImport_ImportModule("aioshmq.ring.gate");
-    if (gate_module == NULL) return -1;
-    waited_for = PyObject_GetAttrString(gate_module, "WAITED_FOR");
-    Py_DECREF(gate_module);
-    if (waited_for == NULL) return -1;
-    str_lock = PyUnicode_InternFromString("lock");
-    str_states = PyUnicode_InternFromString("states");
-    str_acquire = PyUnicode_InternFromString("acquire");
-    str_release = PyUnicode_InternFromString("release");
-    if (!str_lock || !str_states || !str_acquire || !str_release) return -1;
-    str_refresh_limits = PyUnicode_InternFromString("refresh_limits");
-    str_write_fd = PyUnicode_InternFromString("write_fd");
+    if (CorruptedError == NULL || ReaderEvicted == NULL) return -1;
+    str_numpy = PyUnicode_InternFromString("numpy");
+    str_ndarray = PyUnicode_InternFromString("ndarray");
     dumps_kwnames = Py_BuildValue("(ss)", "protocol", "buffer_callback");
     five = PyLong_FromLong(5);
     str_dtype = PyUnicode_InternFromString("dtype");
@@ -1543,44 +1566,21 @@ static int module_exec(PyObject *mod) {
     namespace_type = PyObject_GetAttrString(types, "SimpleNamespace");
     Py_DECREF(types);
     empty_bytes = PyBytes_FromStringAndSize(NULL, 0);
-    if (!str_refresh_limits || !str_write_fd || !dumps_kwnames || !five || !pickle_loads
-        || !str_plain_as_pickle
-        || !pickle_dumps || !pickle_pickler || !namespace_type || !empty_bytes)
+    if (!str_numpy || !str_ndarray || !dumps_kwnames || !five || !pickle_loads
+        || !str_plain_as_pickle || !str_dtype || !str_shape || !str_isbuiltin || !pickle_dumps
+        || !pickle_pickler || !namespace_type || !empty_bytes)
         return -1;
-    PyObject *w = PyType_FromModuleAndSpec(mod, &W_spec, NULL);
-    if (w == NULL || PyModule_AddObjectRef(mod, "WriterCore", w) < 0) {
-        Py_XDECREF(w);
-        return -1;
-    }
+    PyObject *gate = add_type(mod, &G_spec, "Gate");
+    if (gate == NULL) return -1;
+    Gate_type = (PyTypeObject *)gate; /* the module keeps it */
+    Py_DECREF(gate);
+    PyObject *w = add_type(mod, &W_spec, "WriterCore");
+    if (w == NULL) return -1;
     Py_DECREF(w);
-    PyObject *r = PyType_FromModuleAndSpec(mod, &R_spec, NULL);
-    if (r == NULL || PyModule_AddObjectRef(mod, "ReaderCore", r) < 0) {
-        Py_XDECREF(r);
-        return -1;
-    }
+    PyObject *r = add_type(mod, &R_spec, "ReaderCore");
+    if (r == NULL) return -1;
     Py_DECREF(r);
-    PyObject *layout = PyDict_New();
-    if (layout == NULL) return -1;
-    if (add_int(layout, "LINE", LINE) || add_int(layout, "WRITER_LINE", WRITER_LINE)
-        || add_int(layout, "READER_LINES", READER_LINES)
-        || add_int(layout, "HEADER_SIZE", HEADER_SIZE)
-        || add_int(layout, "RECORD_ALIGN", RECORD_ALIGN) || add_int(layout, "W_HEAD", W_HEAD)
-        || add_int(layout, "W_HEAD_COUNT", W_HEAD_COUNT) || add_int(layout, "W_CLOSED", W_CLOSED)
-        || add_int(layout, "W_SLEEP", W_SLEEP) || add_int(layout, "W_WANT_POS", W_WANT_POS)
-        || add_int(layout, "W_WANT_COUNT", W_WANT_COUNT) || add_int(layout, "R_TAIL", R_TAIL)
-        || add_int(layout, "R_TAIL_COUNT", R_TAIL_COUNT) || add_int(layout, "R_SLEEP", R_SLEEP)
-        || add_int(layout, "R_EVICTED", R_EVICTED)
-        || add_int(layout, "PAD", PAD) || add_int(layout, "MSG", MSG)
-        || add_int(layout, "FIRST", FIRST) || add_int(layout, "MIDDLE", MIDDLE)
-        || add_int(layout, "LAST", LAST) || add_int(layout, "OOB", OOB)
-        || add_int(layout, "BATCH", BATCH) || add_int(layout, "KIND_MASK", KIND_MASK)
-        || add_int(layout, "REWIND_AT", REWIND_AT)
-        || PyModule_AddObjectRef(mod, "LAYOUT", layout) < 0) {
-        Py_DECREF(layout);
-        return -1;
-    }
-    Py_DECREF(layout);
-    return 0;
+    return add_format(mod);
 }
 
 static PyModuleDef_Slot module_slots[] = {{Py_mod_exec, module_exec}, {0, NULL}};

@@ -1,8 +1,9 @@
 # The compiled twin of aioshmq.ring.pure: the same classes, constructors and methods.
+from .pure import Gate as Gate
 from .pure import ReaderCore as ReaderCore
 from .pure import WriterCore as WriterCore
 
-LAYOUT: dict[str, int]
+FORMAT: dict[str, int]
 
 def fence() -> None: ...
 def release() -> None: ...

@@ -1,49 +1,82 @@
 """The ring's per-message work in pure Python: the reference its compiled twin mirrors.
 
-``_ringcore_c.c`` implements the same two classes with the same constructor, methods,
-attributes and byte layout; ``_switch`` picks one.  Everything rarer (fragments, sleeping
-writers, slots, relays) lives in ``_ring``'s subclasses and runs on either.
+``compiled.c`` implements the same three classes with the same constructors, methods,
+attributes and byte layout (``core.py`` names the primitives both offer, as Protocols that
+mypy checks, and picks one).  They are narrow: claim room, write and publish a record, read
+and consume one, the two sides of the sleep/wake handshake, the writer's gate; everything
+rarer (fragments, a sleeping writer, slots, relays) is written once, in ``ring.py``, over them.
 """
 
 from __future__ import annotations
 
 import mmap
+import os
 import pickle
 import struct
+import sys
+import threading
 import time
 import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..base.errors import CorruptedError
-from ..memory.notify import Notifier
-from . import format as L
+from ..base.errors import CorruptedError, ReaderEvicted
+from . import format as F
 from .atomics import acquire, fence, release
 from .format import record_size
-from .gate import WAITED_FOR, Gate
+from .layout import check_record
 
-_NDARRAY = "numpy.ndarray"
-_OWN_PICKLE_MAX = 64 << 10  # a larger pickle: a new Pickler next time (as _ringcore_c.c)
-_TABLE_ONE = struct.Struct("<3Q")  # a single buffer's table: 1, main's length, its length
-
-
-def _type_name(obj: object) -> str:
-    t = type(obj)
-    return f"{t.__module__}.{t.__qualname__}"
+_OWN_PICKLE_MAX = 64 << 10  # a larger pickle: a new Pickler next time (as compiled.c)
+_TABLE_ONE = struct.Struct("<3Q")
+_ONE = (1).to_bytes(8, "little")
 
 
-def check_record(tail: int, head: int, cap: int, word: int) -> tuple[int, int, int]:
-    """The kind, length and end offset of the record whose header ``word`` lies at position
-    ``tail``; CorruptedError if it claims bytes past the end of the ring or past ``head``."""
-    off = tail % cap
-    kind, length = word & 0xFF, word >> 8
-    end = off + L.HEADER_SIZE + length
-    if end > cap or tail + end - off > head:
-        raise CorruptedError(
-            f"record at position {tail} (kind {kind}) claims {length} bytes, "
-            f"past the {'end of the ring' if end > cap else 'head ' + str(head)}"
-        )
-    return kind, length, end
+def _notify(fd: int, eventfd: bool) -> None:
+    """One wake-up through an eventfd, or a pipe's write end; one already pending is enough."""
+    try:
+        os.write(fd, _ONE if eventfd else b"\0")
+    except BlockingIOError:
+        pass
+
+
+class Gate:
+    """Which reader slots the writer waits for: each slot's state (``format.PENDING`` ...)
+    and the lock it changes under, shared by the writer and its broker thread.
+
+    ``with gate:`` holds the lock.  The writer's recomputation of its limits holds it too, so
+    a reader that starts at the current head is never overrun by a limit computed without it.
+    """
+
+    __slots__ = ("_lock", "_states")
+
+    def __init__(self, readers: int) -> None:
+        if readers < 1:
+            raise ValueError(f"a gate of {readers} slots")
+        self._lock = threading.Lock()
+        self._states = [F.PENDING] * readers
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._lock.release()
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def state(self, index: int) -> int:
+        """Slot ``index``'s state."""
+        return self._states[index]
+
+    def set(self, index: int, state: int) -> None:
+        """Give slot ``index`` a new state (the caller holds the lock)."""
+        if not F.PENDING <= state <= F.EVICTED:
+            raise ValueError(f"no slot state {state}")
+        self._states[index] = state
+
+    def states(self) -> list[int]:
+        """Every slot's state, as it is now."""
+        return self._states[:]
 
 
 class _Mapped:
@@ -62,7 +95,7 @@ class _Mapped:
 
 
 class WriterCore(_Mapped):
-    """The writer's per-message work: write a plain record, publish, wake sleeping readers."""
+    """The writer's per-message work: claim room, write a record, publish, wake readers."""
 
     def __init__(
         self,
@@ -71,18 +104,24 @@ class WriterCore(_Mapped):
         capacity: int,
         max_messages: int,
         readers: int,
-        wake: Sequence[Notifier],
+        wake_fds: Sequence[int],
+        eventfd: bool,
+        gate: Gate,
     ) -> None:
+        if len(wake_fds) != readers or len(gate) != readers:
+            raise ValueError("one wake-up fd and one gate slot per reader are needed")
         self._map(mapping, data_offset, capacity)
-        self._w_head = L.writer_word_index(L.W_HEAD)
-        self._w_count = L.writer_word_index(L.W_HEAD_COUNT)
-        self._r_sleep = [L.reader_word_index(i, L.R_SLEEP) for i in range(readers)]
-        self._r_tail = [L.reader_word_index(i, L.R_TAIL) for i in range(readers)]
-        self._r_count = [L.reader_word_index(i, L.R_TAIL_COUNT) for i in range(readers)]
+        self._w_head = F.writer_word_index(F.W_HEAD)
+        self._w_count = F.writer_word_index(F.W_HEAD_COUNT)
+        self._r_sleep = [F.reader_word_index(i, F.R_SLEEP) for i in range(readers)]
+        self._r_tail = [F.reader_word_index(i, F.R_TAIL) for i in range(readers)]
+        self._r_count = [F.reader_word_index(i, F.R_TAIL_COUNT) for i in range(readers)]
         self._cap = capacity
         self._max_messages = max_messages
-        self._wake = list(wake)
+        self._wake = list(wake_fds)
+        self._eventfd = eventfd
         self._signalled = [0] * readers
+        self._gate = gate
         self.pos = 0  # write cursor; > head while records are written but not published
         self.count = 0
         self.head = 0
@@ -101,25 +140,20 @@ class WriterCore(_Mapped):
         self._in_dumps = 0
         self.dumps_failed = False  # the last put_object's error came from dumps
         # The serializer's stream pickles of numpy arrays by (dtype, shape), which
-        # put_object writes arrays with (the compiled core's ``arrays`` member).
+        # put_object writes arrays with.
         self.arrays: Any = None
         self._pickler: pickle.Pickler | None = None  # _own_dumps's, with its output
         self._pieces: list[Any] = []
-        # The slots to wait for; without one, a subclass's refresh_limits says.
-        self.gate: Gate | None = None
 
     def refresh_limits(self) -> tuple[int, int]:
         """Re-read the tails of the readers the gate waits for, under its lock, and set the
         limits from the slowest: returns (min tail, min count)."""
-        gate = self.gate
-        if gate is None:
-            raise NotImplementedError("refresh_limits needs a gate, or a subclass's own")
         words = self._cwords
-        with gate.lock:
+        with self._gate:
             # From the published head, not the cursor: a reader attaching now starts there.
             lo_pos, lo_count = self.head, self.head_count
-            for i, state in enumerate(gate.states):
-                if state in WAITED_FOR:
+            for i, state in enumerate(self._gate.states()):
+                if state in F.WAITED_FOR:
                     t = words[self._r_tail[i]]
                     c = words[self._r_count[i]]
                     if t > self.head or c > self.head_count:
@@ -139,13 +173,13 @@ class WriterCore(_Mapped):
 
         It goes back where it would cross the end, and also (a rewind) where the cursor is
         a quarter of the area or ``REWIND_AT`` in, whichever is more, and no unread byte lies
-        in the record's way at the start (``_layout`` says why).  Whether anything unread is
+        in the record's way at the start (``format`` says why).  Whether anything unread is
         in the way is read afresh at most once per that many bytes.
         """
         cap = self._cap
         pos = self.pos
         off = pos % cap
-        at = max(cap // 4, L.REWIND_AT)
+        at = max(cap // 4, F.REWIND_AT)
         if off + size > cap:
             return cap - off + size
         if off < at:
@@ -160,10 +194,11 @@ class WriterCore(_Mapped):
                 return size
         return back
 
-    def _claim(self, size: int, count: int) -> int:
+    def claim(self, size: int, count: int) -> int:
         """The data-area offset of room for a record of ``size`` bytes holding ``count``
         messages at the cursor (its PAD written if it goes back to the start), or -1: no
-        room now (``need_*`` set), or too big."""
+        room now (``need_span`` and ``need_count`` say for what), or bigger than a record
+        may be (``max_record``)."""
         if size > self.max_record:
             return -1
         span = self.span(size)
@@ -176,7 +211,7 @@ class WriterCore(_Mapped):
                 self.need_span, self.need_count = span, count
                 return -1
         if span != size:
-            self._cq[off >> 3] = ((cap - off - L.HEADER_SIZE) << 8) | L.PAD
+            self._cq[off >> 3] = ((cap - off - F.HEADER_SIZE) << 8) | F.PAD
             self.pos = pos + cap - off
             off = 0
         return off
@@ -189,37 +224,37 @@ class WriterCore(_Mapped):
         self.publish()
         return True
 
-    def put_plain(self, main: Any, kind: int = L.MSG, count: int = 1) -> bool:
+    def put_plain(self, main: Any, kind: int = F.MSG, count: int = 1) -> bool:
         """Write and publish one record without buffers if there is room now: the hot path."""
         n = len(main) if not isinstance(main, memoryview) else main.nbytes
         size = record_size(n)
-        off = self._claim(size, count)
+        off = self.claim(size, count)
         if off < 0:
             return False
         i = off >> 3
         q = self._cq
         q[i] = (n << 8) | kind
         q[i + 1] = count if count > 1 else 0
-        start = off + L.HEADER_SIZE
+        start = off + F.HEADER_SIZE
         self._cdata[start : start + n] = main
         return self._commit(size, n, count)
 
     def put_buffer(self, main: Any, buffer: Any) -> bool:
         """Write and publish one message with one out-of-band buffer if there is room now,
-        laid out as ``_ring.Frame`` lays out a single buffer."""
+        laid out as ``layout.Frame`` lays out a single buffer."""
         main_view, buf = memoryview(main).cast("B"), memoryview(buffer).cast("B")
         main_len, buf_len = main_view.nbytes, buf.nbytes
-        at = (24 + main_len + L.RECORD_ALIGN - 1) & -L.RECORD_ALIGN
+        at = (24 + main_len + F.RECORD_ALIGN - 1) & -F.RECORD_ALIGN
         n = at + buf_len
         size = record_size(n)
-        off = self._claim(size, 1)
+        off = self.claim(size, 1)
         if off < 0:
             return False
         i = off >> 3
         q = self._cq
-        q[i] = (n << 8) | L.MSG | L.OOB
+        q[i] = (n << 8) | F.MSG | F.OOB
         q[i + 1] = 0
-        start = off + L.HEADER_SIZE
+        start = off + F.HEADER_SIZE
         data = self._cdata
         _TABLE_ONE.pack_into(data, start, 1, main_len, buf_len)
         data[start + 24 : start + 24 + main_len] = main_view
@@ -237,7 +272,8 @@ class WriterCore(_Mapped):
         if count < 1:
             raise ValueError("count must be at least 1")
         self.dumps_failed = False
-        if _type_name(obj) == _NDARRAY:
+        np = sys.modules.get("numpy")
+        if np is not None and type(obj) is np.ndarray:
             return self._put_array(obj) if count == 1 else ()
         found: list[Any] = self._found if not self._in_dumps else []
         own = not self._in_dumps and dumps is pickle.dumps
@@ -255,14 +291,14 @@ class WriterCore(_Mapped):
             found.clear()
         if buffers or type(main) is not bytes:
             return main, buffers
-        if self.put_plain(main, L.MSG | L.BATCH if count > 1 else L.MSG, count):
+        if self.put_plain(main, F.MSG | F.BATCH if count > 1 else F.MSG, count):
             return None
         return main, []
 
     def _own_dumps(self, obj: Any) -> bytes:
         """``pickle.dumps(obj, protocol=5, buffer_callback=self._found.append)`` through a
-        Pickler kept between calls (see ``_ringcore_c.c``, before ``own_pickler``, for why
-        and for the one way its pickles differ from ``pickle.dumps``'s)."""
+        Pickler kept between calls (see ``compiled.c``, before ``own_pickler``, for why and
+        for the one way its pickles differ from ``pickle.dumps``'s)."""
         if self._pickler is None:
             sink = types.SimpleNamespace(write=self._pieces.append)
             self._pickler = pickle.Pickler(sink, 5, buffer_callback=self._found.append)
@@ -280,7 +316,7 @@ class WriterCore(_Mapped):
     def _put_array(self, arr: Any) -> Any:
         """``put_object``'s way with a numpy array: None if written now, else ``()``."""
         arrays = self.arrays
-        if type(arrays) is not dict or type(arr).__base__ is not object:
+        if type(arrays) is not dict:
             return ()
         dtype = arr.dtype
         if dtype.isbuiltin != 1:  # its pickle says more than the cached one
@@ -291,6 +327,7 @@ class WriterCore(_Mapped):
         return None if self.put_buffer(main, pickle.PickleBuffer(arr).raw()) else ()
 
     def publish(self) -> None:
+        """Make what was written visible, and wake the readers that sleep."""
         if self.pos == self.head:
             return
         release()
@@ -300,15 +337,16 @@ class WriterCore(_Mapped):
         self.head, self.head_count = self.pos, self.count
         self.publishes += 1
         fence()
-        self._wake_readers()
+        self.wake_readers()
 
-    def _wake_readers(self) -> None:
+    def wake_readers(self) -> None:
+        """Wake each reader that sleeps in an episode not woken yet."""
         w = self._cwords
         for i, idx in enumerate(self._r_sleep):
             s = w[idx]
             if s and s != self._signalled[i]:
                 self._signalled[i] = s
-                self._wake[i].signal()
+                _notify(self._wake[i], self._eventfd)
                 self.wakeups += 1
 
 
@@ -323,45 +361,43 @@ class ReaderCore(_Mapped):
         max_messages: int,
         readers: int,
         index: int,
-        wake_writer: Notifier,
+        wake_fd: int,
+        eventfd: bool,
+        name: str,
     ) -> None:
         if not 0 <= index < readers:
             raise ValueError(f"reader {index} of a ring with {readers} slots")
         self._map(mapping, data_offset, capacity)
         self._cap = capacity
         self._max_messages = max_messages
-        self._w_head = L.writer_word_index(L.W_HEAD)
-        self._w_closed = L.writer_word_index(L.W_CLOSED)
-        self._w_sleep = L.writer_word_index(L.W_SLEEP)
-        self._w_want_pos = L.writer_word_index(L.W_WANT_POS)
-        self._w_want_count = L.writer_word_index(L.W_WANT_COUNT)
-        self._r_tail = L.reader_word_index(index, L.R_TAIL)
-        self._r_count = L.reader_word_index(index, L.R_TAIL_COUNT)
-        self._r_sleep = L.reader_word_index(index, L.R_SLEEP)
-        self._r_evicted = L.reader_word_index(index, L.R_EVICTED)
-        self._wake_writer = wake_writer
+        self._w_head = F.writer_word_index(F.W_HEAD)
+        self._w_closed = F.writer_word_index(F.W_CLOSED)
+        self._w_sleep = F.writer_word_index(F.W_SLEEP)
+        self._w_want_pos = F.writer_word_index(F.W_WANT_POS)
+        self._w_want_count = F.writer_word_index(F.W_WANT_COUNT)
+        self._r_tail = F.reader_word_index(index, F.R_TAIL)
+        self._r_count = F.reader_word_index(index, F.R_TAIL_COUNT)
+        self._r_sleep = F.reader_word_index(index, F.R_SLEEP)
+        self._r_evicted = F.reader_word_index(index, F.R_EVICTED)
+        self._wake_writer = wake_fd
+        self._eventfd = eventfd
+        self._name = name
         self.index = index
         self.tail = self._cwords[self._r_tail]
         self.count = self._cwords[self._r_count]
         self.head = self.tail
         self.shown_tail, self.shown_count = self.tail, self.count
         self.wakeups = 0
-        self.messages = 1  # how many messages the record next() returned holds
-        self.taken = 0  # messages and payload bytes taken through the plain path
+        self.taken = 0  # messages and payload bytes taken through the plain paths
         self.taken_bytes = 0
         self.episode = 0
         self.pins: list[tuple[int, int]] = []  # records of leased messages, oldest first
-        self.partial: bytearray | None = None  # a fragmented message being reassembled
-        self.skipping = False  # joined in the middle of a fragmented message
-
-    def _fragment(self, off: int, base: int, kind: int, length: int) -> memoryview | None:
-        raise NotImplementedError
+        # A fragmented message is being put together (or skipped): the fast paths then leave
+        # every record to next(), whose caller drops it when a whole message comes instead.
+        self.assembling = False
 
     def _evicted(self, mark: int) -> None:
-        """Raise ReaderEvicted (the writer stored ``mark`` in this reader's line)."""
-        raise NotImplementedError
-
-    partial_kind: int
+        raise ReaderEvicted(self._name, self.index, mark / 1000)
 
     def check_evicted(self) -> None:
         """Raise ReaderEvicted if the writer evicted this reader.
@@ -375,17 +411,30 @@ class ReaderCore(_Mapped):
             self._evicted(mark)
 
     def available(self) -> bool:
+        """Whether something is published past this reader's tail."""
         return self.tail != self.head or self.refresh()
 
+    def closed(self) -> int:
+        """The writer's closed word: 0 while open, else ``format.CLOSED_END`` or
+        ``CLOSED_BROKEN`` (loaded with acquire: the final head is visible after it)."""
+        mark = self._cwords[self._w_closed]
+        acquire()
+        return mark
+
     def refresh(self) -> bool:
-        """Load the published head; True if there is something past this reader's tail."""
+        """Load the published head; True if there is something past this reader's tail.
+
+        The eviction mark is looked at first: a writer that evicted this reader may have
+        lapped it, and that is not corruption."""
+        if mark := self._cwords[self._r_evicted]:
+            self._evicted(mark)
         self.head = head = self._cwords[self._w_head]
         acquire()
-        if (head | self.tail) % L.RECORD_ALIGN:
+        if (head | self.tail) % F.RECORD_ALIGN:
             self.head = self.tail
             raise CorruptedError(
                 f"head {head} or reader {self.index}'s tail {self.tail} is not a record "
-                f"boundary (a multiple of {L.RECORD_ALIGN})"
+                f"boundary (a multiple of {F.RECORD_ALIGN})"
             )
         if not 0 <= head - self.tail <= self._cap:
             # The writer never runs more than a ring ahead of a reader it waits for.
@@ -396,91 +445,58 @@ class ReaderCore(_Mapped):
             )
         return self.tail != head
 
-    def next(self) -> tuple[memoryview, int, int] | None:
-        """The next whole message as (payload, kind, ring bytes), not consumed; None if none.
+    def next(self) -> tuple[memoryview, int, int, int] | None:
+        """The next record that is not padding, as (payload, kind, ring bytes, aux), not
+        consumed (PADs before it are); None if nothing is published past the tail.
 
-        Fragments are reassembled as they arrive (consuming their records, so the writer can
-        stream a message larger than the ring); the message they form takes 0 ring bytes.
+        The record is checked: a known kind within the ring and the head, and a batch's
+        message count (``aux``) within the ring's bounds.  A fragment's ``aux`` is the
+        message's total length for FIRST, else 0.
         """
-        cap, q, w = self._cap, self._cq, self._cwords
+        cap, q = self._cap, self._cq
         while self.tail != self.head or self.available():
-            if w[self._r_evicted]:
-                self._evicted(w[self._r_evicted])
+            if mark := self._cwords[self._r_evicted]:
+                self._evicted(mark)
             off = self.tail % cap
-            kind, length, end = check_record(self.tail, self.head, cap, q[off >> 3])
-            base = kind & L.KIND_MASK
-            if base == L.MSG:
-                if self.partial is not None or self.skipping:
-                    self.partial, self.skipping = None, False  # the writer gave that one up
-                if kind & L.BATCH:
-                    n = q[(off >> 3) + 1]
-                    if not 2 <= n <= self._max_messages:
-                        raise CorruptedError(
-                            f"batch at position {self.tail} claims {n} messages "
-                            f"(max_messages={self._max_messages})"
-                        )
-                    self.messages = n
-                else:
-                    self.messages = 1
-                return self._cdata[off + L.HEADER_SIZE : end], kind, record_size(length)
-            if base == L.PAD:
-                if end != cap:
+            kind, length = check_record(self.tail, self.head, cap, q[off >> 3])
+            if kind == F.PAD:
+                if off + F.HEADER_SIZE + length != cap:
                     raise CorruptedError(
                         f"padding at position {self.tail} of {length} bytes stops short of the end"
                     )
                 self.tail += cap - off
-            elif base in (L.FIRST, L.MIDDLE, L.LAST):
-                whole = self._fragment(off, base, kind, length)
-                if whole is not None:
-                    return whole, self.partial_kind, 0
-            else:
-                raise CorruptedError(f"unknown record kind {kind} at position {self.tail}")
+                continue
+            aux = q[(off >> 3) + 1] if kind & F.BATCH or kind & F.KIND_MASK == F.FIRST else 0
+            if kind & F.BATCH and not 2 <= aux <= self._max_messages:
+                raise CorruptedError(
+                    f"batch at position {self.tail} claims {aux} messages "
+                    f"(max_messages={self._max_messages})"
+                )
+            start = off + F.HEADER_SIZE
+            return self._cdata[start : start + length], kind, record_size(length), aux
         return None
 
-    def take_plain(self) -> memoryview | None:
-        """The next record's payload if it is one whole message without buffers: the hot
-        path.  None for anything else (or nothing), which ``next()`` then handles."""
-        if mark := self._cwords[self._r_evicted]:
-            self._evicted(mark)
-        tail = self.tail
-        if tail == self.head and not self.refresh():
-            return None
-        cap = self._cap
-        off = tail % cap
-        word = self._cq[off >> 3]
-        if word & 0xFF != L.MSG or self.partial is not None or self.skipping:
-            return None
-        end = off + L.HEADER_SIZE + (word >> 8)
-        if end > cap or tail + end - off > self.head:
-            return None  # next() reports the corruption
-        return self._cdata[off + L.HEADER_SIZE : end]
-
-    def consume_plain(self, payload: memoryview) -> None:
-        """Step past the record ``take_plain`` returned and publish the new tail (unless the
-        reader was evicted meanwhile: then what it read may be torn, and it raises)."""
+    def consume(self, size: int, messages: int) -> None:
+        """Step past ``size`` ring bytes holding ``messages`` messages, once what they hold
+        was read (not published: see ``publish``); ReaderEvicted instead if the writer
+        evicted this reader meanwhile (what was read may then be torn)."""
         self.check_evicted()
-        n = len(payload)
-        self.tail += record_size(n)
-        self.count += 1
-        self.taken += 1
-        self.taken_bytes += n
-        self.publish()
+        self.tail += size
+        self.count += messages
 
     def get_plain(self, loads: Callable[[memoryview], Any], empty: Any) -> Any:
-        """The next message loaded with ``loads`` and consumed if it is a plain one (even if
-        ``loads`` raises), else ``empty``."""
-        view = self.take_plain()
-        if view is None:
-            return empty
-        try:
-            return loads(view)
-        finally:
-            self.consume_plain(view)
+        """The next message loaded with ``loads`` and consumed if it is one whole message
+        without buffers (even if ``loads`` raises), else ``empty``: the hot path."""
+        got = self._plain(loads, empty, False)
+        return got if got is empty else got[0]
 
     def get_record(self, loads: Callable[[memoryview], Any], empty: Any) -> Any:
         """The next record if it holds whole messages without buffers (one, or a batch),
         loaded with ``loads`` and consumed (even if ``loads`` raises), as (object, messages);
         ``empty`` for anything else, which ``next()`` then handles or reports."""
+        return self._plain(loads, empty, True)
+
+    def _plain(self, loads: Callable[[memoryview], Any], empty: Any, batches: bool) -> Any:
         if mark := self._cwords[self._r_evicted]:
             self._evicted(mark)
         tail = self.tail
@@ -490,18 +506,18 @@ class ReaderCore(_Mapped):
         off = tail % cap
         word = self._cq[off >> 3]
         kind, length = word & 0xFF, word >> 8
-        if kind not in (L.MSG, L.MSG | L.BATCH) or self.partial is not None or self.skipping:
+        if (kind != F.MSG and not (batches and kind == F.MSG | F.BATCH)) or self.assembling:
             return empty
-        end = off + L.HEADER_SIZE + length
-        if end > cap or tail + end - off > self.head:
-            return empty
+        end = off + F.HEADER_SIZE + length
+        if length > cap or end > cap or tail + end - off > self.head:
+            return empty  # next() reports the corruption
         messages = 1
-        if kind & L.BATCH:
+        if kind & F.BATCH:
             messages = self._cq[(off >> 3) + 1]
             if not 2 <= messages <= self._max_messages:
                 return empty
         try:
-            obj = loads(self._cdata[off + L.HEADER_SIZE : end])
+            obj = loads(self._cdata[off + F.HEADER_SIZE : end])
         finally:
             self.check_evicted()
             self.tail += record_size(length)
@@ -545,7 +561,7 @@ class ReaderCore(_Mapped):
                 and not (self.shown_tail >= want_pos and self.shown_count >= want_count)
             ):
                 self.wakeups += 1
-                self._wake_writer.signal()
+                _notify(self._wake_writer, self._eventfd)
         self.shown_tail, self.shown_count = tail, count
 
     def prepare_sleep(self) -> bool:
@@ -560,4 +576,5 @@ class ReaderCore(_Mapped):
         return True
 
     def end_sleep(self) -> None:
+        """The reader is awake."""
         self._cwords[self._r_sleep] = 0
