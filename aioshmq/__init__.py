@@ -15,8 +15,9 @@ from .ends.handle import Handle
 from .ends.reader import Lease, Reader, ReaderStatistics
 from .ends.writer import Reservation, Writer, WriterStatistics
 from .ring.switch import CORE
+from .serialize.base import BufferSerializer
 from .serialize.msgpack import MsgpackSerializer
-from .serialize.pickling import BufferSerializer, CloudpickleSerializer, PickleSerializer, Reducer
+from .serialize.pickling import CloudpickleSerializer, PickleSerializer, Reducer
 
 __all__ = [
     "CORE",

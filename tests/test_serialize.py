@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import aioshmq
-from aioshmq.serialize.pickling import PickleSerializer, resolve
+from aioshmq.serialize.pickling import PickleSerializer
+from aioshmq.serialize.resolve import resolve
 
 pytestmark = pytest.mark.anyio
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 from collections.abc import Iterable
@@ -19,9 +20,10 @@ from ..ends import reader as _reader
 from ..ends import writer as _writer
 from ..ends.handle import Handle
 from ..ends.reader import DEFAULT_SPIN, Reader
-from ..ends.writer import OnReaderDeath, Writer
+from ..ends.writer import OnReaderDeath, RelayServer, Writer
 from ..memory.notify import NotifierKind
-from ..serialize.pickling import SerializerSpec
+from ..ring.layout import Layout
+from ..serialize.resolve import SerializerSpec
 
 REMOTE = ("tcp://", "ipc://")
 DEFAULT_HEARTBEAT = 3.0
@@ -70,7 +72,7 @@ def create(
     remote reader not heard from for ``heartbeat`` seconds is a dead reader.
     """
     relay = _remote_server_args(listen, secret, insecure_loopback, heartbeat)
-    writer = _writer.create(
+    return _writer.create(
         capacity,
         max_messages,
         readers,
@@ -81,15 +83,16 @@ def create(
         linger=linger,
         slow_reader_warning=slow_reader_warning,
         slow_reader_timeout=slow_reader_timeout,
+        relay=None if relay is None else functools.partial(_serve, relay),
     )
-    if relay is not None:
-        try:
-            server = remote.load("_server").Server
-            writer._relay = server(writer.name, writer._layout, writer._ser.name, *relay)
-        except BaseException:
-            writer.close()
-            raise
-    return writer
+
+
+def _serve(
+    relay: tuple[str, Any, float], name: str, layout: Layout, serializer: str
+) -> RelayServer:
+    """The server of a writer's remote readers (the ring's name, layout and serializer)."""
+    server: RelayServer = remote.load("_server").Server(name, layout, serializer, *relay)
+    return server
 
 
 def _remote_server_args(

@@ -50,8 +50,10 @@ def add_parser(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from .. import remote
     from ..base.errors import PeerDied
-    from ..remote._mirror import Mirror
+
+    Mirror = remote.load("_mirror").Mirror
 
     secret: bytes | None = None
     if args.secret_file is not None:

@@ -8,8 +8,8 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable
-from typing import Any, Generic, NamedTuple, TypeVar
+from collections.abc import Iterable
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
 import anyio
 from anyio.abc import ObjectReceiveStream
@@ -21,7 +21,7 @@ from ..memory.segment import Segment
 from ..ring import format as L
 from ..ring.layout import Layout, decode
 from ..ring.ring import RingReader
-from ..serialize.pickling import SerializerSpec, resolve
+from ..serialize.resolve import SerializerSpec, resolve
 from .broker import BYE, Attachment, check_name, confirm, pidfd_of, request
 from .cancel import pending_checkpoint
 from .end import End, deadline_of, in_event_loop
@@ -97,13 +97,13 @@ def _connect(
     timeout: float | None,
     spin: float,
     trusted: frozenset[int] = frozenset(),
-    peer: str = "",
     wait: threading.Event | None = None,
+    source: Source | None = None,
 ) -> Reader[Any]:
-    """``connect`` after its checks; ``peer`` names the remote reader this one relays, and
-    ``wait`` waits for a ring not there yet (until the timeout, or until it is set)."""
+    """``connect`` after its checks; ``wait`` waits for a ring not there yet (until the
+    timeout, or until it is set); ``source`` says where a relayed stream comes from."""
     ser = resolve(serializer) if serializer is not None else None
-    att = request(name, reader, deadline_of(timeout), trusted, peer, wait)
+    att = request(name, reader, deadline_of(timeout), trusted, "", wait)
     try:
         if ser is None:
             if att.serializer == "custom":
@@ -115,7 +115,59 @@ def _connect(
     except BaseException:
         att.close()
         raise
-    return Reader(name, reader, att, ser, spin)
+    return Reader(name, reader, att, ser, spin, source)
+
+
+class Source(Protocol):
+    """Where a relayed stream comes from: a remote writer, whose records a mirror in this
+    process carries into the ring that a ``connect_relayed`` reader reads."""
+
+    where: str  #: the far writer, for errors: "from ADDRESS (pid P on HOST)"
+    pid: int  #: the far writer's pid
+
+    def reason(self) -> str:
+        """Why the stream was cut off, once it was."""
+
+    def cut_off(self) -> anyio.BrokenResourceError | None:
+        """What the reader raises once it read everything that arrived from a stream cut
+        off at its source (None: PeerDied naming the far writer)."""
+
+    def close(self) -> None:
+        """Stop carrying the stream (the reader was closed)."""
+
+
+def connect_relayed(
+    name: str, serializer: SerializerSpec, timeout: float | None, spin: float, source: Source
+) -> Reader[Any]:
+    """Slot 0 of a ring that a mirror in this process fills from ``source``: every Reader
+    call is the local one, errors name the far writer, and closing it stops the mirror."""
+    return _connect(name, 0, serializer, timeout, spin, source=source)
+
+
+class RelayReader:
+    """A reader slot held for a remote reader (``aioshmq.remote``'s server): the records
+    are sent on raw (``ring``), and the slot is let go only as far as the remote reader
+    acknowledged (``RingReader.release_to``)."""
+
+    def __init__(self, name: str, index: int, timeout: float | None, peer: str) -> None:
+        att = request(name, index, deadline_of(timeout), frozenset(), peer, None)
+        self._reader: Reader[Any] = Reader(name, index, att, resolve("raw"), 0.0)
+        self.ring = self._reader._ring  #: the records, read raw
+
+    @property
+    def wait_fd(self) -> int:
+        """Readable when the writer published (or the slot was evicted, or closed)."""
+        return self._reader._wake.read_fd
+
+    def drain(self) -> None:
+        self._reader._wake.drain()
+
+    def close(self, *, dead: bool = False) -> None:
+        """Give the slot back; ``dead``: without a goodbye (the writer treats the slot's
+        reader as dead: the remote reader stopped answering)."""
+        if dead:
+            self._reader._bye = False
+        self._reader.close()
 
 
 class Lease(Generic[T]):
@@ -145,7 +197,13 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
     _role = "reader"
 
     def __init__(
-        self, name: str, index: int, att: Attachment, serializer: Any, spin: float = 0.0
+        self,
+        name: str,
+        index: int,
+        att: Attachment,
+        serializer: Any,
+        spin: float = 0.0,
+        source: Source | None = None,
     ) -> None:
         """Takes ``att`` over: whether it succeeds or raises, every fd has its owner."""
         super().__init__()
@@ -167,8 +225,7 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         self._pidfd = -1
         self._epoll: select.epoll | None = None
         self._bye = True  # say goodbye on close; a relay whose remote reader died does not
-        self._tied: Callable[[], None] | None = None  # closed after this reader (a remote link)
-        self._source = (f"of ring {name!r}", att.writer_pid)  # where the stream comes from
+        self._source = source  # a remote writer, if a mirror in this process relays it
         seg_fd, att.segment_fd = att.segment_fd, -1
         att.fds.remove(seg_fd)
         try:
@@ -202,16 +259,19 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         att.fds = []  # this reader owns them now
         self._closed = False
 
-    def _source_note(self) -> str:
-        """Why the stream was cut off, as far as this process knows."""
-        return f"the process that writes it, pid {self._writer_pid}, lost its own source"
-
     def _cut_off(self) -> anyio.BrokenResourceError:
         """The error once every message that arrived was read from a stream cut off at its
         source (a relay, such as a remote reader's mirror, lost it)."""
-        what, pid = self._source
+        source = self._source
+        if source is None:
+            what, pid = f"of ring {self._name!r}", self._writer_pid
+            note = f"the process that writes it, pid {pid}, lost its own source"
+        else:
+            if (error := source.cut_off()) is not None:
+                return error
+            what, pid, note = source.where, source.pid, source.reason()
         return PeerDied(
-            f"the stream {what} was cut off at its source ({self._source_note()}):"
+            f"the stream {what} was cut off at its source ({note}):"
             " every message that fully arrived was delivered",
             role="writer",
             pid=pid,
@@ -638,11 +698,6 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         except OSError:
             pass
 
-    def _close_as_dead(self) -> None:
-        """Close without a goodbye: the writer then treats this slot's reader as dead."""
-        self._bye = False
-        self.close()
-
     def _release(self, *, clean: bool) -> None:
         if clean and self._bye:
             self._say_bye()
@@ -655,8 +710,16 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         for fd in {*self._wake.fds(), *self._writer_wake.fds()}:
             os.close(fd)
         self._writer_wake.read_fd = self._writer_wake.write_fd = -1
-        if self._tied is not None and clean:
-            self._tied()
+        if self._source is not None and clean:
+            self._source.close()
 
 
-__all__ = ["Lease", "Reader", "ReaderStatistics", "connect"]
+__all__ = [
+    "Lease",
+    "Reader",
+    "ReaderStatistics",
+    "RelayReader",
+    "Source",
+    "connect",
+    "connect_relayed",
+]

@@ -8,9 +8,9 @@ import secrets
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Generator, Iterable, Sequence
 from types import TracebackType
-from typing import Any, Generic, Literal, NamedTuple, TypeVar
+from typing import Any, Generic, Literal, NamedTuple, Protocol, TypeVar
 
 import anyio
 from anyio import to_thread
@@ -24,7 +24,9 @@ from ..ring import format as L
 from ..ring.format import ATTACHED, DEAD, PENDING
 from ..ring.layout import Frame, Layout
 from ..ring.ring import RingWriter
-from ..serialize.pickling import Buffer, PickleSerializer, SerializerSpec, resolve, unserializable
+from ..serialize.base import Buffer, unserializable
+from ..serialize.pickling import PickleSerializer
+from ..serialize.resolve import SerializerSpec, resolve
 from .broker import Broker, check_name
 from .cancel import pending_checkpoint
 from .end import End, deadline_of, in_event_loop
@@ -73,6 +75,8 @@ def create(
     linger: float = 0.0,
     slow_reader_warning: float | None = 10.0,
     slow_reader_timeout: float | None = None,
+    relay: Callable[[str, Layout, str], RelayServer] | None = None,
+    cls: type[Writer[Any]] | None = None,
 ) -> Writer[Any]:
     """Create a ring and return its writer, which owns it.
 
@@ -84,6 +88,8 @@ def create(
     warning naming the slowest reader, and again each time as long again passes; None: never.
     ``slow_reader_timeout``: a live reader that has not advanced for this long (seconds)
     while a put waited for it is evicted (see ``Writer``); None (the default): wait for it.
+    ``relay`` makes the server that serves remote readers (``aioshmq.remote``), given the
+    ring's name, layout and serializer's name; ``cls`` is ``MirrorWriter`` for a mirror.
     """
     capacity = _positive_int("capacity", capacity, L.MIN_CAPACITY)
     if capacity > L.MAX_CAPACITY:
@@ -105,7 +111,7 @@ def create(
         raise ValueError(f"notifier must be 'eventfd' or 'pipe', not {notifier!r}")
     name = check_name(name) if name is not None else f"{os.getpid()}-{secrets.token_hex(8)}"
     layout = Layout(L.align(capacity, 64), max_messages, readers)
-    return Writer(
+    writer = (cls or Writer)(
         layout,
         ser,
         kind,
@@ -115,6 +121,30 @@ def create(
         slow_reader_warning,
         slow_reader_timeout,
     )
+    if relay is not None:
+        try:
+            writer._relay = relay(name, layout, ser.name)
+        except BaseException:
+            writer.close()
+            raise
+    return writer
+
+
+class RelayServer(Protocol):
+    """What serves a writer's remote readers (``aioshmq.remote``'s server thread)."""
+
+    @property
+    def address(self) -> str:
+        """The endpoint it is bound to."""
+
+    def finish(self) -> None:
+        """Send the remote readers the rest and the end, then stop (the writer closed)."""
+
+    def abandon(self) -> None:
+        """Stop at once, touching nothing shared (a copy inherited through fork)."""
+
+    def remote_slot(self, index: int) -> dict[str, Any] | None:
+        """None unless slot ``index`` is held by a remote reader; else what it said."""
 
 
 def _same(view: memoryview) -> memoryview:
@@ -170,7 +200,7 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         self._closed = True  # until everything below exists
         self._halt = True  # closed, or its broker stopped: the hot paths check this alone
         self._reserving = False  # a sync reservation's block is open (see _reserve)
-        self._relay: Any = None  # serves remote readers (aioshmq.remote), if listening
+        self._relay: RelayServer | None = None  # serves remote readers, if listening
         self._broken = False  # close as cut off at the source, not as ended
         self._linger = linger
         self._quiet = False
@@ -257,6 +287,12 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
     @property
     def handle(self) -> Handle:
         return Handle(self._name)
+
+    def remote_reader(self, index: int) -> dict[str, Any] | None:
+        """None unless reader slot ``index`` is held by a reader on another host; then what
+        that reader said about itself (an ``aioshmq.rpc`` worker says where its replies
+        are), empty until it has said it."""
+        return None if self._relay is None else self._relay.remote_slot(index)
 
     @property
     def address(self) -> str | None:
@@ -961,4 +997,48 @@ class Reservation(Generic[V]):
             self._writer._resume()
 
 
-__all__ = ["Handle", "Reservation", "Writer", "WriterStatistics", "create"]
+class MirrorWriter(Writer[T]):
+    """The writer of a mirror's local ring: its records come whole from a remote writer's
+    ring of the same capacity, copied in by the mirror's link thread, which waits for room
+    on ``wait_fd`` and ends the stream, or marks it cut off at its source."""
+
+    @property
+    def wait_fd(self) -> int:
+        """Readable when a reader freed room, attached or died (or the writer closed)."""
+        return self._wake.read_fd
+
+    def drain(self) -> None:
+        self._wake.drain()
+
+    def write_records(self, run: memoryview, records: Sequence[tuple[int, int, int]]) -> int:
+        """``RingWriter.write_records``: the records that fitted now, published."""
+        done = self._ring.write_records(run, records)
+        self._messages += sum(messages for _, _, messages in records[:done])
+        return done
+
+    def prepare_sleep(self) -> bool:
+        """Announce the wait for the room the last write_records lacked (False: room came
+        meanwhile); ``end_sleep`` after the wait.  PeerDied if a reader it would wait for
+        died."""
+        self._check_readers()
+        return self._ring.prepare_sleep(*self._ring.need)
+
+    def end_sleep(self) -> None:
+        self._ring.end_sleep()
+
+    def close_cut_off(self) -> None:
+        """Close as cut off at the source: readers get every message that fully arrived,
+        then PeerDied, not the end of the stream."""
+        self._broken = True
+        self.close(linger=0)
+
+
+__all__ = [
+    "Handle",
+    "MirrorWriter",
+    "RelayServer",
+    "Reservation",
+    "Writer",
+    "WriterStatistics",
+    "create",
+]

@@ -12,7 +12,7 @@ from typing import Any
 import zmq
 
 from ..base.errors import CorruptedError, busy
-from ..ends.writer import Writer
+from ..ends.writer import MirrorWriter
 from ..ring.layout import Layout
 from . import _wire as W
 from ._auth import Keys, secure_client
@@ -117,10 +117,10 @@ class Link:
             sock.disable_monitor()
             monitor.close(linger=0)
 
-    def run(self, writer: Writer[Any], stop_fd: int) -> str | None:
+    def run(self, writer: MirrorWriter[Any], stop_fd: int) -> str | None:
         """Receive into ``writer`` (a ring of the writer's capacity) until the stream ends
         (None), ``stop_fd`` is readable ("stopped") or the stream is cut off (why)."""
-        sock, ring = self._sock, writer._ring
+        sock = self._sock
         timeout = min(self.heartbeat, self._peer_heartbeat)  # the shorter side's says
         beat = timeout / 3
         start = tuple(self.welcome["start"])
@@ -134,11 +134,11 @@ class Link:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(stop_fd, zmq.POLLIN)
-        poller.register(writer._wake.read_fd, zmq.POLLIN)
+        poller.register(writer.wait_fd, zmq.POLLIN)
         while True:
             while pending:
                 run = pending[0]
-                run.done += ring.write_records(run.records, run.table[run.done :])
+                run.done += writer.write_records(run.records, run.table[run.done :])
                 if run.done < len(run.table):
                     break
                 pending.popleft()
@@ -154,8 +154,7 @@ class Link:
                 return cut
             sleeping = False
             if pending:
-                writer._check_readers()
-                if ring.prepare_sleep(*ring.need):
+                if writer.prepare_sleep():
                     sleeping = True
                 else:
                     continue
@@ -165,9 +164,9 @@ class Link:
             # thread did not run (a starved or frozen process) is read first.
             events = dict(poller.poll(int(wait * 1000) + 1))
             if sleeping:
-                ring.end_sleep()
-            if writer._wake.read_fd in events:
-                writer._wake.drain()
+                writer.end_sleep()
+            if writer.wait_fd in events:
+                writer.drain()
             if stop_fd in events:
                 return "stopped"
             now = time.monotonic()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import secrets
 import threading
@@ -12,13 +11,12 @@ from typing import Any
 import anyio
 
 from ..base.errors import PeerDied, ReaderEvicted
-from ..ends import reader as _reader
 from ..ends import writer as _writer
 from ..ends.handle import Handle
-from ..ends.reader import Reader
-from ..ends.writer import OnReaderDeath, Writer
+from ..ends.reader import Reader, connect_relayed
+from ..ends.writer import MirrorWriter, OnReaderDeath, Writer
 from ..memory.notify import NotifierKind
-from ..serialize.pickling import SerializerSpec, resolve
+from ..serialize.resolve import SerializerSpec, resolve
 from ._auth import check_address, check_security
 from ._link import Link
 
@@ -61,7 +59,7 @@ class Mirror:
     ) -> None:
         self._stop_r = self._stop_w = -1
         self._link: Link | None = None
-        self._writer: Writer[Any] | None = None
+        self._writer: MirrorWriter[Any] | None = None
         check_address(address, "address")
         if isinstance(reader, bool) or not isinstance(reader, int):
             raise TypeError(f"reader must be an int, not {type(reader).__name__}")
@@ -80,7 +78,8 @@ class Mirror:
                         "one as serializer=..."
                     )
                 ser = resolve(w["serializer"])
-            self._writer = _writer.create(
+            self._serializer = ser
+            writer = _writer.create(
                 w["capacity"],
                 w["max_messages"],
                 readers,
@@ -89,7 +88,10 @@ class Mirror:
                 name=name,
                 on_reader_death=on_reader_death,
                 linger=linger,
+                cls=MirrorWriter,
             )
+            assert isinstance(writer, MirrorWriter)
+            self._writer = writer
             self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         except BaseException:
             self.close()
@@ -120,6 +122,18 @@ class Mirror:
         assert self._writer is not None
         return self._writer
 
+    @property
+    def serializer(self) -> Any:
+        """What the local ring's readers load messages with."""
+        return self._serializer
+
+    @property
+    def link(self) -> Link:
+        """The connection to the remote writer."""
+        if self._link is None:
+            raise RuntimeError("this mirror is closed")
+        return self._link
+
     def run(self) -> None:
         """Carry the stream until it ends, the mirror is closed, or it is cut off (PeerDied,
         after the local readers had every message that fully arrived)."""
@@ -135,8 +149,7 @@ class Mirror:
                 why = link.run(writer, self._stop_r)
             except BaseException as exc:  # a local reader died, say: the chain is broken
                 link.reason = f"the mirror stopped: {exc!r}"
-                writer._broken = True
-                writer.close(linger=0)
+                writer.close_cut_off()
                 raise
             if why == "stopped":
                 link.say_bye()
@@ -144,8 +157,7 @@ class Mirror:
                 writer.close()
             else:
                 link.reason = why
-                writer._broken = True
-                writer.close(linger=0)
+                writer.close_cut_off()
                 raise PeerDied(
                     f"the stream from {link.address} was cut off: {why}",
                     role="writer",
@@ -235,8 +247,7 @@ def open_link(
     )
     if meta is not None:
         try:
-            assert m._link is not None
-            m._link.send_meta(meta(m._link.welcome))
+            m.link.send_meta(meta(m.link.welcome))
         except BaseException:
             m.close()
             raise
@@ -247,35 +258,42 @@ def attach(m: Mirror, timeout: float | None, spin: float) -> Reader[Any]:
     """The quick half, in the thread that will use the reader: its local reader, and the
     mirror's thread started."""
     try:
-        local = _reader._connect(m.name, 0, m.writer._ser, timeout, spin)
+        local = connect_relayed(m.name, m.serializer, timeout, spin, _Far(m))
     except BaseException:
         m.close()
         raise
     thread = threading.Thread(target=_run_quietly, args=(m,), name=f"aioshmq-link-{m.name}")
     thread.daemon = True
     thread.start()
-    local._tied = m.close
-    link = m._link
-    assert link is not None
-    where = f"from {m.address} (pid {link.writer_pid} on {link.writer_host})"
-    local._source = (where, link.writer_pid)
-    local._source_note = m.reason  # type: ignore[method-assign]
-    local._cut_off = functools.partial(_cut_off, local._cut_off, link)  # type: ignore[method-assign]
     return local
 
 
-def _cut_off(
-    default: Callable[[], anyio.BrokenResourceError], link: Link
-) -> anyio.BrokenResourceError:
-    """ReaderEvicted if the remote writer evicted this reader, else what any relay says."""
-    if link.evicted is None:
-        return default()
-    return ReaderEvicted(
-        link.address,
-        link.index,
-        link.evicted,
-        message=f"{link.reason}; every message that fully arrived was delivered",
-    )
+class _Far:
+    """The remote writer a private mirror relays, as its local reader sees it."""
+
+    def __init__(self, m: Mirror) -> None:
+        self._mirror = m
+        link = m.link
+        self.where = f"from {m.address} (pid {link.writer_pid} on {link.writer_host})"
+        self.pid = link.writer_pid
+
+    def reason(self) -> str:
+        return self._mirror.reason()
+
+    def cut_off(self) -> anyio.BrokenResourceError | None:
+        """ReaderEvicted if the remote writer evicted this reader; else the reader's own."""
+        link = self._mirror.link
+        if link.evicted is None:
+            return None
+        return ReaderEvicted(
+            link.address,
+            link.index,
+            link.evicted,
+            message=f"{link.reason}; every message that fully arrived was delivered",
+        )
+
+    def close(self) -> None:
+        self._mirror.close()
 
 
 def _run_quietly(m: Mirror) -> None:

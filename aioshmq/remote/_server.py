@@ -13,8 +13,7 @@ import anyio
 import zmq
 
 from ..base.errors import CorruptedError, ReaderEvicted
-from ..ends import reader as _reader
-from ..ends.reader import Reader
+from ..ends.reader import RelayReader
 from ..ring.layout import Layout
 from ..ring.ring import RingReader
 from . import _wire as W
@@ -31,7 +30,7 @@ class _Remote:
 
     rid: bytes
     index: int
-    reader: Reader[Any]
+    reader: RelayReader
     ring: RingReader
     heartbeat: float
     peer: str
@@ -138,12 +137,12 @@ class Server:
                 self._pump(remote, now)
                 if remote.rid not in self._remotes:
                     continue
-                fd = remote.reader._wake.read_fd
+                fd = remote.reader.wait_fd
                 if fd not in registered:
                     poller.register(fd, zmq.POLLIN)
                     registered.add(fd)
                 timeout = min(timeout, remote.heartbeat / 3)
-            live = {r.reader._wake.read_fd for r in self._remotes.values()}
+            live = {r.reader.wait_fd for r in self._remotes.values()}
             for fd in registered - live:
                 poller.unregister(fd)
             registered &= live
@@ -152,8 +151,8 @@ class Server:
             events = dict(poller.poll(int(timeout * 1000) + 1))
             for remote in self._remotes.values():
                 remote.ring.core.end_sleep()
-                if remote.reader._wake.read_fd in events:
-                    remote.reader._wake.drain()
+                if remote.reader.wait_fd in events:
+                    remote.reader.drain()
             if self._stop_r in events:
                 os.read(self._stop_r, 64)  # finish() was called: serve until all is delivered
             if self._zap in events:
@@ -292,9 +291,7 @@ class Server:
         peer = f"remote reader {peer[:160]}"
         self._attaching.add(index)  # held remotely from the moment the writer sees it held
         try:
-            reader = _reader._connect(
-                self.ring_name, index, "raw", ATTACH_TIMEOUT, 0.0, frozenset(), peer
-            )
+            reader = RelayReader(self.ring_name, index, ATTACH_TIMEOUT, peer)
         except anyio.BusyResourceError as exc:
             self._attaching.discard(index)
             self._refuse(rid, "busy", str(exc))
@@ -304,7 +301,7 @@ class Server:
             self._refuse(rid, "attach", str(exc))
             return
         now = time.monotonic()
-        ring = reader._ring
+        ring = reader.ring
         remote = _Remote(
             rid,
             index,
@@ -369,7 +366,7 @@ class Server:
         try:
             remote.ring.core.end_sleep()
             if dead:
-                remote.reader._close_as_dead()
+                remote.reader.close(dead=True)
             else:
                 remote.reader.close()
         except Exception:

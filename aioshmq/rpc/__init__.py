@@ -33,7 +33,9 @@ from ..base.errors import Empty, PeerDied
 from ..ends.end import YIELD_INTERVAL
 from ..ends.reader import DEFAULT_SPIN, Reader, connect
 from ..ends.writer import Writer
-from ..serialize.pickling import Buffer, PickleSerializer, Serializer, SerializerSpec, resolve
+from ..serialize.base import Buffer, Serializer
+from ..serialize.pickling import PickleSerializer
+from ..serialize.resolve import SerializerSpec, resolve
 
 __all__ = [
     "Call",
@@ -636,8 +638,7 @@ class Client:
     async def _connect_reply(self, rank: int) -> Reader[Any]:
         serializer = self._ser if self._ser.name == "custom" else None
         await checkpoint()
-        relay = self._calls._relay
-        slot = None if relay is None else relay.remote_slot(rank)
+        slot = self._calls.remote_reader(rank)
         if slot is not None:
             return await self._connect_remote_reply(rank, slot)
         try:
@@ -649,13 +650,12 @@ class Client:
     async def _connect_remote_reply(self, rank: int, slot: dict[str, Any]) -> Reader[Any]:
         """The reply ring of a worker on another host, at the address it told the calls
         ring's server right after attaching (the handshake runs off the loop)."""
-        relay = self._calls._relay
         deadline = time.monotonic() + self._heartbeat
         while "reply" not in slot:
             if time.monotonic() > deadline:
                 raise _worker_died(rank, 0, "before it said where its replies are")
             await anyio.sleep(0.002)  # its META follows its HELLO on the same connection
-            slot = relay.remote_slot(rank) or {}
+            slot = self._calls.remote_reader(rank) or {}
         address = slot["reply"]
         if not isinstance(address, str) or not address.startswith(("tcp://", "ipc://")):
             raise _worker_died(rank, 0, f"after giving a bad reply address {address!r}")

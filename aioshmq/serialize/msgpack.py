@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .pickling import Buffer, Serializer, unserializable
+from .base import Buffer, Serializer, unserializable
 
 _ARRAY = 1  # extension code of a numpy array
 _TENSOR = 2  # extension code of a torch tensor

@@ -199,9 +199,9 @@ def ring_memory() -> set[str]:
 
 
 def _open_ends() -> set[int]:
-    from ..ends import end as _end
+    from ..ends.end import open_ends
 
-    return {id(end) for end in _end._live if not end._closed}
+    return {id(end) for end in open_ends()}
 
 
 @pytest.fixture(autouse=True)
@@ -224,9 +224,9 @@ def _aioshmq_leak_check(request: pytest.FixtureRequest) -> Iterator[None]:
         yield
         if _open_ends() - ends or ring_memory() - memory:
             gc.collect()  # what is only unreferenced goes now (and warns, if unclosed)
-    from ..ends import end as _end
+    from ..ends.end import open_ends
 
-    left = [end for end in _end._live if not end._closed and id(end) not in ends]
+    left = [end for end in open_ends() if id(end) not in ends]
     mapped = sorted(ring_memory() - memory)
     unclosed = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
     unclosed = [text for text in unclosed if "aioshmq" in text]
