@@ -11,6 +11,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
+import anyio
 import pytest
 
 import aioshmq
@@ -442,3 +443,38 @@ def test_the_loop_check_without_trio_imported() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == _LOOP_CHECK_EXPECTED
+
+
+def test_a_close_never_signals_an_fd_a_leaving_call_let_go() -> None:
+    """A get_sync that leaves (a message came) just as another thread closes the reader:
+    the close wakes the holders it found while they cannot let the fds go, so it never
+    writes to a closed fd (EBADF) or to one that took its number."""
+    import time
+
+    with aioshmq.create(capacity=1 << 16) as w:
+        r = aioshmq.connect(w.name, spin=0)
+        got: list[object] = []
+
+        def get() -> None:
+            try:
+                got.append(r.get_sync(timeout=30))
+            except BaseException as exc:  # closed right after the message: also fine
+                got.append(exc)
+
+        thread = threading.Thread(target=get)
+        thread.start()
+        _wait_until(lambda: r._waiting, "the get sleeps")
+        interrupt = r._interrupt
+
+        def late_interrupt() -> None:
+            w.put_nowait("x")  # the sleeper wakes and leaves, letting the end go if it can
+            deadline = time.monotonic() + 0.3
+            while not r._released and time.monotonic() < deadline:
+                time.sleep(0.001)
+            interrupt()
+
+        r._interrupt = late_interrupt  # type: ignore[method-assign]
+        r.close()  # raises OSError(EBADF) if it signals a released end
+        thread.join(30)
+        assert got and (got[0] == "x" or isinstance(got[0], anyio.ClosedResourceError)), got
+        assert r._released

@@ -447,3 +447,62 @@ async def test_an_out_of_band_serializer_returning_the_wrong_thing(
                 await w.put(obj)
             await w.put([b"fine"])
             assert await r.get() == [b"fine"]
+
+
+@pytest.mark.parametrize("cls", [dict, list, tuple, str, bytes, int, float, bool, type(None), set])
+def test_a_reducer_for_a_type_pickle_writes_itself_is_refused(cls: type) -> None:
+    """pickle asks no reducer about exact instances of its own types: a reducer registered
+    for one would be ignored, so it is refused, saying what to register instead."""
+    with pytest.raises(TypeError, match=f"pickle writes {cls.__qualname__} values itself"):
+        PickleSerializer(reducers={cls: lambda obj: (cls, ())})
+    with pytest.raises(TypeError, match="subclass"):
+        aioshmq.CloudpickleSerializer().register(cls, lambda obj: (cls, ()))
+
+
+class _Counted(dict):  # type: ignore[type-arg]
+    pass
+
+
+def _counted(items: list[Any]) -> tuple[str, dict[Any, Any]]:
+    return "rebuilt", dict(items)
+
+
+async def test_a_reducer_for_a_subclass_of_a_builtin_is_used() -> None:
+    ser = PickleSerializer(reducers={_Counted: lambda d: (_counted, (list(d.items()),))})
+    with aioshmq.create(capacity=1 << 16, serializer=ser) as w, aioshmq.connect(w.name) as r:
+        await w.put(_Counted(a=1))
+        await w.put({"a": 1})  # a plain dict is pickle's own
+        assert await r.get() == ("rebuilt", {"a": 1})
+        assert await r.get() == {"a": 1}
+
+
+def _not_an_array(value: int) -> tuple[str, int]:
+    return "not an array", value
+
+
+def _named_like_an_array(name: str, module: str) -> Any:
+    """A class that calls itself numpy's ndarray without being it (derived from object, as
+    numpy's is)."""
+
+    def init(self: Any, value: int) -> None:
+        self.value = value
+
+    def reduce(self: Any) -> Any:
+        return (_not_an_array, (self.value,))
+
+    return type(name, (), {"__module__": module, "__init__": init, "__reduce__": reduce})
+
+
+async def test_an_object_of_a_class_named_numpy_ndarray_is_pickled_as_any_other() -> None:
+    """Only numpy's own ndarray goes the arrays' way: a class that only has its name (by
+    module and qualified name, or as its type's C name) is pickled like any object, on
+    either core."""
+    by_module = _named_like_an_array("ndarray", "numpy")
+    by_c_name = _named_like_an_array("numpy.ndarray", __name__)
+    with aioshmq.create(capacity=1 << 16) as w, aioshmq.connect(w.name) as r:
+        await w.put(by_module(1))
+        await w.put(by_c_name(2))
+        w.put_nowait(by_module(3))
+        assert [await r.get() for _ in range(3)] == [("not an array", v) for v in (1, 2, 3)]
+        await w.put(np.arange(3))  # numpy's own still goes out of band
+        assert np.array_equal(await r.get(), np.arange(3))

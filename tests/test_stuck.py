@@ -3,6 +3,7 @@ evicted after ``slow_reader_timeout`` seconds of waiting, and told so; the defau
 
 from __future__ import annotations
 
+import inspect
 import logging
 import multiprocessing
 import os
@@ -140,6 +141,43 @@ async def test_a_stuck_reader_is_evicted_and_told(caplog: pytest.LogCaptureFixtu
         with aioshmq.connect(w.name, 1) as again:
             await w.put("next")
             assert again.get_nowait() == "next" and a.get_nowait() == "next"
+        a.close()
+
+
+async def test_an_evicted_reader_the_writer_lapped_is_told_it_was_evicted() -> None:
+    """The ordinary case: a reader frozen while it waited is evicted, and the writer goes on
+    until it is more than a ring ahead.  Every read then says the reader was evicted, not
+    that the ring is corrupted: the eviction mark is read before the head."""
+    with aioshmq.create(capacity=4096, max_messages=4, readers=2, slow_reader_timeout=0.2) as w:
+        a = aioshmq.connect(w.name, 0, spin=0)
+        b = aioshmq.connect(w.name, 1, spin=0)
+        got: list[bytes] = []
+        n = 200  # 200 records of 80 bytes: almost four rings past the evicted reader
+
+        async def drain() -> None:
+            while len(got) < n:
+                got.append(await a.get())
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(drain)
+            for i in range(n):
+                await w.put(bytes([i % 256]) * 40)
+        assert len(got) == n and w.statistics().readers_evicted == 1
+        assert b._core.head == 0  # it never looked: the writer is laps ahead of it
+        for name in ("get_nowait", "get", "get_many", "get_sync"):
+            read = getattr(b, name)
+            with pytest.raises(aioshmq.ReaderEvicted) as caught:
+                if name == "get_sync":
+                    await anyio.to_thread.run_sync(read)
+                else:
+                    result = read()
+                    if inspect.isawaitable(result):
+                        await result
+            assert caught.value.index == 1, name
+        with pytest.raises(aioshmq.ReaderEvicted):
+            async with b.lease():
+                pass
+        b.close()
         a.close()
 
 

@@ -150,8 +150,10 @@ class End:
             )
             self._loop_pending = foreign
             blockers_here = any(self._holds[token][0] == me for token in self._blockers)
-        if self._blockers or foreign:
-            self._interrupt()
+            if self._blockers or foreign:
+                # Under the lock: a holder that leaves meanwhile cannot release (close) the
+                # fd this writes to until the lock is let go.
+                self._interrupt()
         if foreign:
             assert loop is not None
             try:
@@ -165,7 +167,8 @@ class End:
             elif here_async and self._wait_fd >= 0 and not self._notify_closing():
                 with self._mutex:  # no way to wake them now: wait for them to leave
                     self._blockers |= {t for t, (th, a) in self._holds.items() if th == me}
-                self._interrupt()
+                    if not self._released:
+                        self._interrupt()
         self._try_release()
         if not self._released and not blockers_here:
             self._wait_released(loop if foreign else None)

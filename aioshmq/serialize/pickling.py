@@ -17,6 +17,12 @@ _modules = sys.modules
 
 Reducer = Callable[[Any], "str | tuple[Any, ...]"]
 
+# Exact instances of these pickle writes itself: it asks neither a dispatch table nor even
+# reducer_override about them (the pickle module's documentation says so).
+_OWN_TYPES = frozenset(
+    {type(None), bool, int, float, str, bytes, bytearray, tuple, list, dict, set, frozenset}
+)
+
 
 class _Table(dict[type, Reducer]):
     """A pickler's dispatch table: its own reducers first, then ``base`` (copyreg's, or
@@ -119,6 +125,12 @@ class PickleSerializer(Serializer):
             raise TypeError(f"reducers are registered for types, not {cls!r}")
         if not callable(reducer):
             raise TypeError(f"the reducer for {cls.__qualname__} must be callable, not {reducer!r}")
+        if cls in _OWN_TYPES:
+            raise TypeError(
+                f"pickle writes {cls.__qualname__} values itself and asks no reducer about "
+                f"them: register the reducer for a subclass of {cls.__qualname__} (or a "
+                "class of your own) and send instances of that"
+            )
         self._table[cls] = reducer
         if self._reducing is None:
             self._reducing = self._current = _Reducing(self._pickler_class, self._table)
