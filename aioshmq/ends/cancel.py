@@ -71,11 +71,12 @@ def _task_states() -> Any:
 _states: Any = _task_states()
 _on = [_states is not None]  # read on every call: whether the internals are in use
 
-# The running loop a thread found last, with that thread's id: asyncio's own lookup makes a
-# getpid() system call every time on Python 3.11 (to notice a fork).  A thread runs one loop
-# at a time, so while that loop has a current task in this thread, it is this thread's loop.
-# One tuple, replaced whole: a thread never reads another's loop with its own id.
-_seen: list[tuple[int, Any, bool]] = [(0, None, False)]
+# The running loop a thread found last, that thread's id, and whether the loop says which
+# thread runs it: asyncio's own lookup makes a getpid() system call every time on Python
+# 3.11 (to notice a fork).  A thread runs one loop at a time, so while that loop has a
+# current task in this thread, it is this thread's loop.  Replaced whole, under the GIL: a
+# thread never reads another's loop with its own id.
+_seen: list[Any] = [0, None, False]
 
 # Tasks looked up lately, and their anyio states: anyio keeps them in a WeakKeyDictionary,
 # whose Python-level get() costs more than the rest of this check, and the few tasks that
@@ -126,52 +127,57 @@ def pending_checkpoint() -> Checkpoint | None:
     """What to await so that a pending cancellation is raised now, or None if none is.
 
     Never yields to the event loop unless a scope around the current task is cancelled or
-    past its deadline.
+    past its deadline.  The common case (this thread's loop as last time, a task seen before,
+    anyio's internals in use) is answered here, walking the task's anyio cancel scopes up to
+    a shield; ``_look_up`` finds the rest and comes back here.
     """
-    tid = _get_ident()
-    seen_tid, loop, says_thread = _seen[0]
-    task = None
-    if seen_tid == tid:
+    seen = _seen
+    if seen[0] == _get_ident() and _on[0]:
+        loop = seen[1]
         task = _current_task(loop)
         # A stdlib loop says which thread runs it (uvloop does not): not ours, ask again.
-        if task is not None and says_thread and loop._thread_id != tid:
-            task = None
-    if task is None:  # not the loop this thread ran last: ask (that costs a getpid())
-        loop = _get_running_loop()
-        if loop is None:
-            _seen[0] = (0, None, False)
-            trio = sys.modules.get("trio")
-            if trio is not None and trio.lowlevel.in_trio_run():
-                return _trio()
-            return _public()
-        _seen[0] = (tid, loop, hasattr(loop, "_thread_id"))
-        task = _current_task(loop)
-        if task is None:  # not an asyncio task (trio in guest mode): anyio decides
-            return _public()
-    if not _on[0]:
+        if task is not None and not (seen[2] and loop._thread_id != seen[0]):
+            entry = _cache.get(id(task))
+            if entry is not None and entry[0]() is task:
+                try:
+                    scope = entry[1].cancel_scope
+                    while scope is not None:
+                        if scope._cancel_called:
+                            return checkpoint
+                        if scope._deadline != _INF and scope._deadline <= loop.time():
+                            scope.cancel()  # what its timer, due but not run yet, is about to do
+                            return checkpoint
+                        if scope._shield:
+                            return None
+                        scope = scope._parent_scope
+                except AttributeError:  # anyio's internals are not what they were
+                    _on[0] = False
+                    return _public()
+                return None
+    return _look_up()
+
+
+def _look_up() -> Checkpoint | None:
+    """``pending_checkpoint`` the long way: find the loop, the task and its anyio state,
+    remember them, and ask again (or ask anyio's public API, or trio's)."""
+    tid = _get_ident()
+    loop = _get_running_loop()
+    if loop is None:
+        _seen[:] = [0, None, False]
+        trio = sys.modules.get("trio")
+        if trio is not None and trio.lowlevel.in_trio_run():
+            return _trio()
+        return _public()
+    _seen[:] = [tid, loop, hasattr(loop, "_thread_id")]
+    task = _current_task(loop)
+    if task is None or not _on[0]:  # not an asyncio task (trio in guest mode), or no internals
         return _public()
     entry = _cache.get(id(task))
-    if entry is not None and entry[0]() is task:
-        state = entry[1]
-    else:
+    if entry is None or entry[0]() is not task:
         state = _states.get(task)
         if state is None:  # no anyio scope around this task (yet): nothing can cancel it
             return None
         if len(_cache) >= _CACHED:  # entries of tasks that ended: start afresh
             _cache.clear()
         _cache[id(task)] = (weakref.ref(task), state)
-    try:
-        scope = state.cancel_scope
-        while scope is not None:
-            if scope._cancel_called:
-                return checkpoint
-            if scope._deadline != _INF and scope._deadline <= loop.time():
-                scope.cancel()  # what its timer, due but not run yet, is about to do
-                return checkpoint
-            if scope._shield:
-                return None
-            scope = scope._parent_scope
-    except AttributeError:  # anyio's internals are not what they were: its public API
-        _on[0] = False
-        return _public()
-    return None
+    return pending_checkpoint()  # found now, on the first path

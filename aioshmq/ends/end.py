@@ -74,9 +74,9 @@ class End:
     them has left, so no call ever waits on, or reads from, something closed or reused.
     """
 
-    # What the compiled put, get, put_sync and get_sync read on every call (_cancel_c), kept
-    # in slots so that C reads them at fixed offsets; everything else lives in the instance dict.
-    __slots__ = ("__dict__", "__weakref__", "_closed", "_lock", "_next_yield", "_ring")
+    # What every put and get reads, kept in slots (a little quicker to read than the
+    # instance dict, which holds the rest).
+    __slots__ = ("__dict__", "__weakref__", "_closed", "_core", "_lock", "_next_yield", "_ring")
 
     _role = "end"
     _wake: Notifier  #: the notifier whose signals end this end's sleeps
@@ -268,6 +268,13 @@ class End:
         self.close()
 
     # -- waiting ---------------------------------------------------------------------------
+
+    async def _pause(self) -> None:
+        """Await what ``_due`` says is due: the rare path of a call whose inline look at the
+        common case (``pending_checkpoint()``, then the pace) found something."""
+        if (due := self._due()) is not None:
+            await due()
+        self._check()
 
     def _due(self) -> Checkpoint | None:
         """What an async call must await before it takes or publishes anything, if anything:

@@ -192,7 +192,7 @@ class Lease(Generic[T]):
 class Reader(End, ObjectReceiveStream[T], Generic[T]):
     """One reader of a ring: receives every message the writer puts, in order."""
 
-    __slots__ = ("_deferred", "_loads_plain", "_pending")  # read by the compiled get, get_sync
+    __slots__ = ("_deferred", "_loads_plain", "_pending")  # read by every get
 
     _role = "reader"
 

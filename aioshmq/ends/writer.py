@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import functools
 import os
+import pickle
 import secrets
+import sys
 import time
 import warnings
 import weakref
@@ -34,6 +36,8 @@ from .handle import Handle
 from .stuck import Stuck
 
 T = TypeVar("T")
+_modules = sys.modules
+_monotonic = time.monotonic
 V = TypeVar("V")
 
 OnReaderDeath = Literal["raise", "detach"]
@@ -179,7 +183,7 @@ def _linger(value: object) -> float:
 class Writer(End, ObjectSendStream[T], Generic[T]):
     """The writing end of a ring: every attached reader receives every message, in order."""
 
-    __slots__ = ("_halt", "_pickles", "_ser")  # read by the compiled put and put_sync (see End)
+    __slots__ = ("_dumps", "_halt", "_pickles", "_ser", "_torch")  # read by every put
 
     _role = "writer"
 
@@ -207,8 +211,11 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         self._layout = layout
         self._ser = serializer
         # Whether the serializer hands the core a pickle.dumps to call itself (one-call
-        # pickle-and-put); read per put, as it changes once torch is imported.
+        # pickle-and-put), and which: read again once torch is imported (its tensors then
+        # have a reducer of the serializer's).
         self._pickles = isinstance(serializer, PickleSerializer)
+        self._dumps: Callable[..., Any] = serializer.pickler if self._pickles else pickle.dumps
+        self._torch = "torch" in _modules
         self._name = name
         self._on_death = on_reader_death
         self._messages = 0
@@ -506,9 +513,8 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         """
         if self._halt:
             self._check()
-        if (due := self._due()) is not None:
-            await due()
-            self._check()
+        if pending_checkpoint() is not None or _monotonic() >= self._next_yield:
+            await self._pause()  # _due(), whose common case is inline here
         if (frame := self._offer(obj)) is not None:
             await self._run([frame])
 
@@ -521,7 +527,9 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         there is room now: None.  Otherwise the frame to wait with; nothing was written."""
         try:
             if self._pickles and not self._lock.held:
-                rest = self._core.put_object(obj, self._ser.pickler)
+                if not self._torch and "torch" in _modules:
+                    self._see_torch()
+                rest = self._core.put_object(obj, self._dumps)
                 if rest is None:
                     return None
                 main, buffers = self._ser.finish(obj, rest)
@@ -551,6 +559,11 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
             self._bytes += frame.length
             return None
         return frame
+
+    def _see_torch(self) -> None:
+        """torch was imported: ask the serializer again for its pickler."""
+        self._torch = True
+        self._dumps = self._ser.pickler
 
     def _put_failed(self, obj: object, exc: Exception) -> None:
         """Raise what a failed write means for the caller, if not ``exc`` itself: the object
@@ -630,8 +643,10 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         """``_offer`` for a batch: [] if it was written now, else the frames to wait with."""
         batch = 2 <= len(objs) <= self._layout.max_messages
         if batch and self._pickles and not self._lock.held:
+            if not self._torch and "torch" in _modules:
+                self._see_torch()
             try:
-                rest = self._core.put_object(objs, self._ser.pickler, len(objs))
+                rest = self._core.put_object(objs, self._dumps, len(objs))
             except Exception as exc:
                 if not self._core.dumps_failed:
                     self._put_failed(objs, exc)
