@@ -98,3 +98,24 @@ def test_the_examples_are_clean_under_both_checkers(tmp_path: Path) -> None:
         assert status == 0, out
     out, status = _pyright(HERE.parent / "examples", tmp_path)
     assert status == 0 and "0 errors" in out, out
+
+
+@pytest.mark.slow  # about 15 s of mypy
+def test_the_compiled_core_is_what_its_stub_says() -> None:
+    """mypy checks both cores against ring/core.py's Protocols, the compiled one through its
+    stub: stubtest holds the stub to the built module (names, signatures, members)."""
+    import subprocess
+    import sys
+
+    import aioshmq
+
+    if aioshmq.CORE != "compiled":
+        pytest.skip("the compiled core is not in use")
+    done = subprocess.run(
+        [sys.executable, "-m", "mypy.stubtest", "aioshmq.ring.compiled"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
