@@ -385,6 +385,20 @@ class AioshmqMirrorChannel(AioshmqRemoteChannel):
 # -- raw pyzmq over TCP ----------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _CurveKeys:
+    """A CurveZMQ key pair for each end of a channel, made where the channel is made (pyzmq's
+    own ``curve_keypair``) and handed to both processes with it."""
+
+    server: tuple[bytes, bytes]  #: public, secret
+    client: tuple[bytes, bytes]
+
+    @classmethod
+    def new(cls) -> _CurveKeys:
+        zmq = importlib.import_module("zmq")
+        return cls(zmq.curve_keypair(), zmq.curve_keypair())
+
+
 class _ZmqTcpSender(Sender):
     """Sync pyzmq: streamed from a thread without an event loop, as its users would."""
 
@@ -396,11 +410,9 @@ class _ZmqTcpSender(Sender):
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PUSH)
         try:
-            if channel.curve:
-                keys = _bench_keys()
+            if channel.keys is not None:
                 self._sock.curve_server = True
-                self._sock.curve_secretkey = keys.server_secret
-                self._sock.curve_publickey = keys.server_public
+                self._sock.curve_publickey, self._sock.curve_secretkey = channel.keys.server
             self._sock.sndhwm = channel.depth
             self._sock.sndtimeo = int(SYNC_TIMEOUT * 1000)
             self._sock.bind(channel.endpoint())
@@ -437,11 +449,9 @@ class _ZmqTcpReceiver(Receiver):
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PULL)
         try:
-            if channel.curve:
-                keys = _bench_keys()
-                self._sock.curve_serverkey = keys.server_public
-                self._sock.curve_publickey = keys.client_public
-                self._sock.curve_secretkey = keys.client_secret
+            if channel.keys is not None:
+                self._sock.curve_serverkey = channel.keys.server[0]
+                self._sock.curve_publickey, self._sock.curve_secretkey = channel.keys.client
             self._sock.rcvhwm = channel.depth
             self._sock.rcvtimeo = int(SYNC_TIMEOUT * 1000)
             self._sock.connect(_published(channel.path))
@@ -480,6 +490,7 @@ class ZmqTcpChannel(Channel):
     def _make(self) -> None:
         tag = f"{os.getpid()}-{secrets.token_hex(6)}"
         self.path = os.path.join(tempfile.gettempdir(), f"aioshmq-bench-{tag}.address")
+        self.keys = _CurveKeys.new() if self.curve else None
 
     def sender(self) -> Sender:
         return _ZmqTcpSender(self)
@@ -978,12 +989,6 @@ ZMQ_TCP_CURVE = Peer(
     "-",
     ("zmq",),
 )
-
-
-def _bench_keys() -> Any:
-    from aioshmq.remote._auth import Keys
-
-    return Keys.from_secret(b"aioshmq-bench-curve-keys")
 
 
 class AioshmqSleepingChannel(AioshmqChannel):
