@@ -16,8 +16,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks",
         description=(
-            "Measure aioshmq against multiprocessing.Queue, pyzmq and faster-fifo (those "
-            "installed), across processes: small-object throughput, large payloads next to "
+            "Measure aioshmq against multiprocessing.Queue, pyzmq, faster-fifo, iceoryx2 and "
+            "vLLM's MessageQueue (those installed), across processes: small-object "
+            "throughput, large payloads next to "
             "memcpy, ping-pong latency, broadcast, idle CPU, event-loop lag, and RPC from an async "
             "scheduler to 4 worker processes (aioshmq.rpc against zmq.asyncio); CPU torch "
             "tensors next to numpy arrays, writing in place (reserve) next to memcpy, and "

@@ -24,6 +24,7 @@ COLORS = {  # one colour per transport in every chart (a name's first word, if n
     "mp.Queue": "#ff7f0e",
     "zmq.asyncio": "#2ca02c",
     "faster-fifo": "#d62728",
+    "iceoryx2": "#e377c2",
     "eventfd": "#bcbd22",
     "memcpy": "#7f7f7f",
     "vLLM": "#9467bd",

@@ -56,6 +56,7 @@ def machine_info() -> dict[str, Any]:
                 "numpy",
                 "pyzmq",
                 "faster-fifo",
+                "iceoryx2",
                 "vllm",
                 "torch",
                 "uvloop",

@@ -5,9 +5,12 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import os
+import signal
 import sys
 from collections.abc import Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +20,7 @@ from conftest import run_in_session
 import aioshmq
 from benchmarks import rpc as _rpc
 from benchmarks.peers import (
+    ICEORYX2,
     MP_QUEUE,
     VLLM,
     AioshmqChannel,
@@ -24,10 +28,12 @@ from benchmarks.peers import (
     AioshmqMsgpackChannel,
     AioshmqReserveChannel,
     Channel,
+    IceoryxSleepingChannel,
     Peer,
     _AioshmqReceiver,
 )
-from benchmarks.scenarios import SCENARIO_NAMES
+from benchmarks.procs import CTX, Children, Link, run_backend
+from benchmarks.scenarios import SCENARIO_NAMES, _stream
 from benchmarks.workload import TINY, Workload, small_tuple
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,6 +42,7 @@ HAS_ZMQ = importlib.util.find_spec("zmq") is not None
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 HAS_MSGSPEC = importlib.util.find_spec("msgspec") is not None
+HAS_ICEORYX2 = importlib.util.find_spec("iceoryx2") is not None
 # Where vLLM is installed its readers import torch, seconds each: the tiny run takes minutes.
 TINY_TIMEOUT = 400 if HAS_VLLM else 55
 # The remote scenario alone: about 30 s on 2 busy CPUs (17 processes start for its wire rows).
@@ -96,6 +103,7 @@ def test_bench_tiny_run_reports_every_scenario(tmp_path: Path, only: tuple[str, 
     if every:
         _check_rpc_figures(results)
         _check_vllm_rows(results)
+        _check_iceoryx2_rows(results)
         _check_remote_rows(results)
         _check_new_path_rows(results, only)
     if HAS_MATPLOTLIB:
@@ -145,6 +153,39 @@ def _check_vllm_rows(results: list[dict[str, Any]]) -> None:
             assert isinstance(r["value"], float) and r["value"] >= 0 and r["params"]["how"], r
     broadcast = [r for r in mine if r["scenario"] == "broadcast"]
     assert sorted(r["params"]["readers"] for r in broadcast) == [1, 2, 4]
+
+
+ICEORYX2_ROWS = {  # where iceoryx2 is measured, when it is installed
+    *(("small", case, "throughput") for case in ("one per put", "batches of 64")),
+    *(("small", case, "throughput") for case in ("one per put, a tuple", "batches of 64, a tuple")),
+    *(("broadcast", f"1 -> {n} reader{'s' if n > 1 else ''}", "throughput") for n in (1, 2, 4)),
+    *(
+        ("latency", f"round trip, peer asleep{where}", metric)
+        for where in ("", ", unpinned", ", both on one CPU", ", uvloop")
+        for metric in ("p50", "p99")
+    ),
+    ("idle", "asyncio", "cpu"),
+}
+
+
+def _check_iceoryx2_rows(results: list[dict[str, Any]]) -> None:
+    """iceoryx2 has a row wherever it can share one with aioshmq: measured in this run if it
+    is installed, else missing; where it sleeps, aioshmq and the eventfd floor took turns
+    with it."""
+    mine = [r for r in results if r["peer"] == "iceoryx2"]
+    assert {(r["scenario"], r["case"], r["metric"]) for r in mine} == ICEORYX2_ROWS, mine
+    for r in mine:
+        if not HAS_ICEORYX2:
+            assert r["value"] is None and r["note"] == "not installed", r
+            continue
+        assert isinstance(r["value"], float) and r["value"] >= 0, r
+        assert "lossless" in r["params"]["how"] or r["scenario"] == "idle", r
+        if r["scenario"] == "latency":
+            assert r["params"]["taking_turns_with"] == ["aioshmq", "eventfd"], r
+    asleep = [r for r in results if r["case"].startswith("round trip, peer asleep")]
+    for r in asleep:
+        if r["peer"] == "aioshmq" and HAS_ICEORYX2:
+            assert r["params"]["taking_turns_with"] == ["eventfd", "iceoryx2"], r
 
 
 def _check_rpc_figures(results: list[dict[str, Any]]) -> None:
@@ -392,6 +433,52 @@ def test_a_peer_is_missing_where_it_is_not_installed_or_does_not_import() -> Non
     absent = Peer("absent", MP_QUEUE.channel, "-", "-", ("aioshmq_bench_no_such",), "json")
     assert absent.missing() == "not installed"
     assert Peer("json", MP_QUEUE.channel, "-", "-", ("json",), "json.decoder").missing() is None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_iceoryx2_delivers_every_message_to_every_reader_through_a_full_buffer() -> None:
+    """Its defaults overwrite the oldest sample when a subscriber falls behind; the bench's
+    channel must hold the publisher back instead.  A 4-sample buffer and 2 spawned readers
+    (the bench's start method) make the publisher wait thousands of times in 20,000
+    messages: each reader checks the order of every message, and all must arrive."""
+    pytest.importorskip("iceoryx2")
+    assert CTX.get_start_method() == "spawn"
+    messages = 20_000
+    stream = run_backend(
+        "asyncio",
+        partial(_stream, ICEORYX2, Workload("small"), readers=2, min_messages=messages, depth=4),
+    )
+    assert stream.counted == messages
+    assert [report["count"] for report in stream.reports] == [messages, messages]
+
+
+def _open_then_die(link: Link, channel: Channel) -> None:
+    """A child that opens its end of ``channel`` (files of its own appear) and is killed."""
+    channel.receiver(0)
+    link.ready()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_an_iceoryx2_channel_removes_its_files_after_a_reader_is_killed() -> None:
+    pytest.importorskip("iceoryx2")
+    channel = IceoryxSleepingChannel(1)
+    try:
+        tx = channel.sender()
+        with Children() as kids:  # spawned
+            kid = kids.start("iceoryx2-killed-reader", _open_then_die, channel)
+            kids.ready()
+            kid.proc.join(30)
+            assert kid.proc.exitcode == -signal.SIGKILL
+        shm = [path for path in channel.leftovers() if path.startswith("/dev/shm/")]
+        assert shm and channel.root in channel.leftovers()
+        tx.close()
+    finally:
+        channel.close()
+    assert channel.leftovers() == []
+    assert not os.path.exists(channel.root)
 
 
 def test_bench_only_rejects_an_unknown_scenario() -> None:
