@@ -3,18 +3,35 @@
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["page"]:
+        from .page import main as page
+
+        return page(args[1:])
+    return bench(args)
+
+
+def bench(argv: list[str]) -> int:
+    """The run itself: every scenario, or those named."""
     from .report import plot_available
     from .run import run
     from .scenarios import SCENARIO_NAMES
 
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks",
+        epilog=(
+            "Also: 'python -m benchmarks page RESULTS.json [PURE.json]' writes "
+            "benchmarks.md from a full run's results.  A full run keeps its results in "
+            "benchmarks/results/<date>-<commit>-<core>.json."
+        ),
         description=(
             "Measure aioshmq against multiprocessing.Queue, pyzmq, faster-fifo, iceoryx2 and "
             "vLLM's MessageQueue (those installed), across processes: small-object "
@@ -42,12 +59,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.plot is not None and not plot_available():
         parser.error("--plot needs matplotlib: pip install matplotlib")
+    command = shlex.join(["python", "-m", "benchmarks", *argv])
+    if os.environ.get("AIOSHMQ_PURE", "") not in ("", "0"):
+        command = f"AIOSHMQ_PURE={shlex.quote(os.environ['AIOSHMQ_PURE'])} {command}"
     return run(
         quick=args.quick,
         tiny=args.tiny,
         only=args.only,
         json_path=args.json,
         plot_path=args.plot,
+        command=command,
     )
 
 

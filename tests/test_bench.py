@@ -1,4 +1,5 @@
-"""``python -m aioshmq bench`` runs end to end: every scenario yields figures (none timed here)."""
+"""``python -m benchmarks`` runs end to end: every scenario yields figures (none timed here),
+and ``page`` writes benchmarks.md from a run's results."""
 
 from __future__ import annotations
 
@@ -17,9 +18,15 @@ from typing import Any
 import pytest
 from conftest import run_in_session
 
-import aioshmq
-from benchmarks import rpc as _rpc
-from benchmarks.peers import (
+import aioshmq  # the installed package: imported before this checkout is put on the path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # pytest puts tests/ there; benchmarks/ is the checkout's
+    sys.path.append(str(ROOT))
+
+from benchmarks import rpc as _rpc  # noqa: E402
+from benchmarks.page import render  # noqa: E402
+from benchmarks.peers import (  # noqa: E402
     ICEORYX2,
     MP_QUEUE,
     VLLM,
@@ -32,11 +39,11 @@ from benchmarks.peers import (
     Peer,
     _AioshmqReceiver,
 )
-from benchmarks.procs import CTX, Children, Link, run_backend
-from benchmarks.scenarios import SCENARIO_NAMES, _stream
-from benchmarks.workload import TINY, Workload, small_tuple
+from benchmarks.procs import CTX, Children, Link, run_backend  # noqa: E402
+from benchmarks.results import keep, load, results_name  # noqa: E402
+from benchmarks.scenarios import SCENARIO_NAMES, _stream  # noqa: E402
+from benchmarks.workload import TINY, Workload, small_tuple  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 HAS_ZMQ = importlib.util.find_spec("zmq") is not None
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -75,6 +82,7 @@ def test_bench_tiny_run_reports_every_scenario(tmp_path: Path, only: tuple[str, 
 
     data = json.loads(out.read_text())
     assert data["mode"] == "tiny"
+    _check_which_aioshmq(data)
     assert data["machine"]["cpu_count"] >= 1
     assert data["machine"]["python"] == sys.version.split()[0]
     results = data["results"]
@@ -108,6 +116,27 @@ def test_bench_tiny_run_reports_every_scenario(tmp_path: Path, only: tuple[str, 
         _check_new_path_rows(results, only)
     if HAS_MATPLOTLIB:
         assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    _check_page(data, only)
+
+
+def _check_which_aioshmq(data: dict[str, Any]) -> None:
+    """The run and its spawned children measured the aioshmq this test imports (the installed
+    one), not a folder of the checkout that happened to be on their path."""
+    source = data["aioshmq"]
+    assert source["file"] == source["file_in_children"] == aioshmq.__file__, source
+    assert source["core"] == aioshmq.CORE and data["format"] == "aioshmq-bench/2"
+    assert data["command"].startswith("python -m benchmarks ")
+
+
+def _check_page(data: dict[str, Any], only: tuple[str, ...]) -> None:
+    """The page written from a run: one table per scenario, a row per case and metric, and
+    within the length a reader can take in."""
+    page = render([("run.json", data)])
+    assert len(page.splitlines()) <= 400
+    for scenario in only:
+        assert f"\n## {scenario}: {data['titles'][scenario]}\n" in page
+    for r in data["results"]:
+        assert f"| {r['case']} | {r['metric']} ({r['unit']}) |" in page, r
 
 
 def _check_measured_only(output: str, results: list[dict[str, Any]]) -> None:
@@ -320,7 +349,9 @@ def test_bench_tiny_run_reports_the_rows_of_the_new_paths(
     cmd = [sys.executable, "-m", "benchmarks", "--tiny", "--only", *only]
     proc = run_in_session([*cmd, "--json", str(out)], ROOT, NEW_PATHS_TIMEOUT)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    results = json.loads(out.read_text())["results"]
+    data = json.loads(out.read_text())
+    _check_which_aioshmq(data)
+    results = data["results"]
     assert {r["scenario"] for r in results} == set(only)
     _check_new_path_rows(results, only)
     for scenario, case, _, _ in _new_path_rows(only):
@@ -479,6 +510,30 @@ def test_an_iceoryx2_channel_removes_its_files_after_a_reader_is_killed() -> Non
         channel.close()
     assert channel.leftovers() == []
     assert not os.path.exists(channel.root)
+
+
+@pytest.mark.slow  # milliseconds; in the slow tier with the bench's other new checks
+def test_a_full_run_is_kept_under_its_date_commit_and_core(tmp_path: Path) -> None:
+    data: dict[str, Any] = {
+        "format": "aioshmq-bench/2",
+        "started": "2026-12-07T10:00:00Z",
+        "aioshmq": {"commit": "abc1234", "dirty": False, "core": "compiled"},
+        "results": [],
+    }
+    assert results_name(data) == "2026-12-07-abc1234-compiled.json"
+    first, second = keep(data, tmp_path), keep(data, tmp_path)
+    assert [first.name, second.name] == [
+        "2026-12-07-abc1234-compiled.json",
+        "2026-12-07-abc1234-compiled-2.json",
+    ]
+    assert load(first) == load(second) == data
+    pure = {
+        **data,
+        "aioshmq": {"commit": None, "dirty": None, "core": "pure (AIOSHMQ_PURE is set)"},
+    }
+    assert results_name(pure) == "2026-12-07-unknown-pure.json"
+    dirty = {**data, "aioshmq": {**data["aioshmq"], "dirty": True}}
+    assert results_name(dirty) == "2026-12-07-abc1234-dirty-compiled.json"
 
 
 def test_bench_only_rejects_an_unknown_scenario() -> None:
