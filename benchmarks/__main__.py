@@ -12,6 +12,10 @@ from pathlib import Path
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["compare"]:
+        from .compare import main as compare
+
+        return compare(args[1:])
     if args[:1] == ["page"]:
         from .page import main as page
 
@@ -28,7 +32,8 @@ def bench(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks",
         epilog=(
-            "Also: 'python -m benchmarks page RESULTS.json [PURE.json]' writes "
+            "Also: 'python -m benchmarks compare OLD_TREE NEW_TREE' measures two checkouts in "
+            "one run, alternated; 'python -m benchmarks page RESULTS.json [PURE.json]' writes "
             "benchmarks.md from a full run's results.  A full run keeps its results in "
             "benchmarks/results/<date>-<commit>-<core>.json."
         ),

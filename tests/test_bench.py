@@ -1,5 +1,5 @@
-"""``python -m benchmarks`` runs end to end: every scenario yields figures (none timed here),
-and ``page`` writes benchmarks.md from a run's results."""
+"""``python -m benchmarks`` runs end to end: every scenario yields figures (none timed here);
+``compare`` runs two trees alternately, and ``page`` writes benchmarks.md from a run's results."""
 
 from __future__ import annotations
 
@@ -7,7 +7,11 @@ import asyncio
 import importlib.util
 import json
 import os
+import re
+import shutil
 import signal
+import statistics
+import subprocess
 import sys
 from collections.abc import Callable
 from contextlib import asynccontextmanager
@@ -510,6 +514,88 @@ def test_an_iceoryx2_channel_removes_its_files_after_a_reader_is_killed() -> Non
         channel.close()
     assert channel.leftovers() == []
     assert not os.path.exists(channel.root)
+
+
+def _tree(where: Path, built: bool = True) -> Path:
+    """A tree holding a copy of the aioshmq this test imports (its built core with it, or
+    not): what ``compare`` wants of a checkout, without a checkout's other files."""
+    package = Path(aioshmq.__file__).parent
+    skip = shutil.ignore_patterns("__pycache__", *(() if built else ("*.so",)))
+    shutil.copytree(package, where / "aioshmq", ignore=skip)
+    return where
+
+
+COMPARE_TIMEOUT = 120  # 4 tiny runs of one scenario: about 15 s on 2 idle CPUs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(COMPARE_TIMEOUT + 5)
+def test_compare_runs_the_trees_alternately_and_reports_new_over_old(tmp_path: Path) -> None:
+    old, new = _tree(tmp_path / "old"), _tree(tmp_path / "new")
+    out = tmp_path / "compare.json"
+    cmd = [sys.executable, "-m", "benchmarks", "compare", str(old), str(new), "--tiny"]
+    cmd += ["--only", "serializers", "--rounds", "2", "--json", str(out)]
+    proc = run_in_session(cmd, ROOT, COMPARE_TIMEOUT)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    data = json.loads(out.read_text())
+    runs = data["runs"]
+    assert [(run["tree"], run["round"]) for run in runs] == [
+        ("old", 1),
+        ("new", 1),
+        ("old", 2),
+        ("new", 2),
+    ]
+    for run in runs:  # each run, and the children it spawned, imported its own tree's
+        tree = old if run["tree"] == "old" else new
+        where = str(tree / "aioshmq" / "__init__.py")
+        source = run["data"]["aioshmq"]
+        assert source["file"] == source["file_in_children"] == where, source
+        assert run["data"]["only"] == ["serializers"] and run["data"]["mode"] == "tiny"
+    assert data["trees"]["old"]["tree"] == str(old) and data["trees"]["new"]["tree"] == str(new)
+    assert f"old: {old} (" in proc.stdout and f"new: {new} (" in proc.stdout
+    for r in runs[0]["data"]["results"]:
+        figures = {
+            label: [
+                next(
+                    x["value"]
+                    for x in run["data"]["results"]
+                    if (x["case"], x["metric"], x["peer"]) == (r["case"], r["metric"], r["peer"])
+                )
+                for run in runs
+                if run["tree"] == label
+            ]
+            for label in ("old", "new")
+        }
+        ratio = statistics.median(figures["new"]) / statistics.median(figures["old"])
+        row = re.compile(
+            rf"^{re.escape(r['case'])}\s+{re.escape(r['metric'])} \(msg/s\)\s+"
+            rf"{re.escape(r['peer'])}\s{{2,}}.*\s{ratio:.2f}$",
+            re.MULTILINE,
+        )
+        assert row.search(proc.stdout), (r, ratio, proc.stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_compare_refuses_a_tree_without_aioshmq_or_without_its_built_core(tmp_path: Path) -> None:
+    built = _tree(tmp_path / "built")
+    (tmp_path / "empty").mkdir()
+    cmd = [sys.executable, "-m", "benchmarks", "compare", str(tmp_path / "empty"), str(built)]
+    proc = run_in_session(cmd, ROOT, 30)
+    assert proc.returncode == 2 and "no aioshmq package there" in proc.stderr, proc.stderr
+    unbuilt = _tree(tmp_path / "unbuilt", built=False)
+    env = {key: value for key, value in os.environ.items() if key != "AIOSHMQ_PURE"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "compare", str(unbuilt), str(built)],
+        cwd=ROOT,
+        env={**env, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=50,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "build_ext --inplace" in proc.stderr and str(unbuilt) in proc.stderr
 
 
 @pytest.mark.slow  # milliseconds; in the slow tier with the bench's other new checks
