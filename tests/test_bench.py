@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import importlib.util
 import json
@@ -620,6 +621,49 @@ def test_a_full_run_is_kept_under_its_date_commit_and_core(tmp_path: Path) -> No
     assert results_name(pure) == "2026-12-07-unknown-pure.json"
     dirty = {**data, "aioshmq": {**data["aioshmq"], "dirty": True}}
     assert results_name(dirty) == "2026-12-07-abc1234-dirty-compiled.json"
+
+
+PUBLIC_MODULES = {"aioshmq", "aioshmq.rpc", "aioshmq.remote", "aioshmq.testing"}
+ALLOWED_PRIVATE = {"_asdict", "_exit"}  # namedtuple's and os's: public despite the underscore
+NOT_HARNESS = {"mutations.py"}  # tests the C core itself, by its files
+
+
+def _privates(path: Path) -> list[str]:
+    """What ``path`` uses of aioshmq beyond its public API: modules other than the public
+    ones, names of ``aioshmq`` outside ``aioshmq.__all__``, and underscored attributes of
+    anything but the code's own objects."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        modules: list[str] = []
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            modules = [node.module]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            modules = [node.value] if node.value.startswith("aioshmq.") else []
+        for module in modules:
+            if module.split(".")[0] == "aioshmq" and module not in PUBLIC_MODULES:
+                found.append(f"{path.name}:{node.lineno}: {module}")
+        if not isinstance(node, ast.Attribute):
+            continue
+        owner = node.value
+        if isinstance(owner, ast.Name) and owner.id == "aioshmq":
+            if node.attr not in aioshmq.__all__ and not node.attr.startswith("__"):
+                found.append(f"{path.name}:{node.lineno}: aioshmq.{node.attr}")
+        elif node.attr.startswith("_") and not node.attr.startswith("__"):
+            own = isinstance(owner, ast.Name) and owner.id in ("self", "cls")
+            own = own or (isinstance(owner, ast.Call) and ast.unparse(owner.func) == "super")
+            if not own and node.attr not in ALLOWED_PRIVATE:
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+@pytest.mark.slow  # milliseconds; in the slow tier with the bench's other new checks
+def test_the_harness_and_its_tools_use_only_aioshmqs_public_api() -> None:
+    """Module paths inside aioshmq change: the bench and its tools must not depend on them."""
+    paths = [p for p in (ROOT / "benchmarks").rglob("*.py") if p.name not in NOT_HARNESS]
+    assert len(paths) > 10
+    assert [found for path in paths for found in _privates(path)] == []
 
 
 def test_bench_only_rejects_an_unknown_scenario() -> None:
