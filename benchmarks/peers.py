@@ -1140,7 +1140,7 @@ ICEORYX2 = Peer(
     "iceoryx2",
     IceoryxChannel,
     f"{IOX_HOW}; the subscriber polls receive(), sched_yield() between polls",
-    "a list of 64 per sample",
+    "a list of 64 per sample, lossless as one per send",
     ("iceoryx2",),
 )
 ICEORYX2_ASLEEP = Peer(
