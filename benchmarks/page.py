@@ -35,7 +35,8 @@ def _results(data: Mapping[str, Any]) -> list[Result]:
 
 
 def _md(text: str) -> str:
-    return text.replace("|", "\\|")
+    """``text`` as it reads in a table cell or a list item (``<pid>`` is no tag)."""
+    return text.replace("|", "\\|").replace("<", "&lt;")
 
 
 def _table(rows: Sequence[Result]) -> list[str]:
@@ -73,13 +74,17 @@ def _hows(rows: Sequence[Result]) -> list[str]:
     for peer, hows in by_peer.items():
         for how, cases in hows.items():
             where = "" if len(hows) == 1 else f" ({'; '.join(cases)})"
-            lines.append(f"- {peer}{where}: {how}")
+            lines.append(_md(f"- {peer}{where}: {how}"))
     return lines
 
 
 def _failures(rows: Sequence[Result]) -> list[str]:
     return ordered(
-        [f"- failed: {r.peer}, {r.case}: {r.note}" for r in rows if r.note.startswith("failed")]
+        [
+            _md(f"- failed: {r.peer}, {r.case}: {r.note}")
+            for r in rows
+            if r.note.startswith("failed")
+        ]
     )
 
 
@@ -111,23 +116,25 @@ def _measured(data: Mapping[str, Any]) -> str:
     return f"aioshmq {source['version']} at {commit}, {source['core']} core"
 
 
-def _about(data: Mapping[str, Any], what: str) -> list[str]:
+def _about(data: Mapping[str, Any], label: str = "") -> list[str]:
+    """Rows of the table that says how a run was made and what it measured."""
     machine = data["machine"]
-    load = machine["loadavg_at_start"][0]
-    return [
-        f"| {what} | `{_md(data['command'])}` |",
-        f"| measured | {_md(_measured(data))} |",
-        f"| when | started {data['started']}, {data['seconds']:.0f} s, the {data['mode']} budget |",
-    ] + (
-        [
-            f"| machine | {machine['cpu_count']} CPUs ({machine['cpus_usable']} usable), "
-            f"load {load:.2f} at the start, {machine['platform']} |",
-            f"| Python | {machine['implementation']} {machine['python']} |",
-            f"| installed | {_md(_versions(machine))} |",
+    rows = [
+        ("command", f"`{data['command']}`"),
+        ("measured", _measured(data)),
+        ("when", f"started {data['started']}, {data['seconds']:.0f} s, the {data['mode']} budget"),
+    ]
+    if not label:
+        rows += [
+            (
+                "machine",
+                f"{machine['cpu_count']} CPUs ({machine['cpus_usable']} usable), load "
+                f"{machine['loadavg_at_start'][0]:.2f} at the start, {machine['platform']}",
+            ),
+            ("Python", f"{machine['implementation']} {machine['python']}"),
+            ("installed", _versions(machine)),
         ]
-        if what == "run"
-        else []
-    )
+    return [f"| {label}{name} | {_md(text)} |" for name, text in rows]
 
 
 REPRODUCE = """\
@@ -170,30 +177,32 @@ keeps the raw runs.
 def render(runs: Sequence[tuple[str, Mapping[str, Any]]]) -> str:
     """The page: ``runs`` is the main run (its path as named on the page, its data), and
     optionally the pure core's run after it."""
-    (main_path, main), *rest = runs
+    (_, main), *rest = runs
     pure = rest[0] if rest else None
     paths = " ".join(path for path, _ in runs)
     lines = [
         "# Benchmarks",
         "",
-        f"<!-- Written by `python -m benchmarks page {paths} > benchmarks.md`: change the",
-        "     results or the generator, not this page. -->",
+        "<!-- Written by the command below from the results files it names: change those, or",
+        "     the generator (benchmarks/page.py), not this page.",
+        f"     python -m benchmarks page {paths} > benchmarks.md -->",
         "",
         "aioshmq against its peers across processes, on one machine: every figure below was",
         "measured in the run described here, and every ratio compares two figures of that run.",
-        f"The raw results are in `{main_path}`"
-        + (f" and `{pure[0]}`" if pure else "")
-        + "; earlier runs",
-        "are in the history of `benchmarks/results/` and of this page.",
+        "The raw results:",
+        "",
+        *(f"- `{path}`" for path, _ in runs),
+        "",
+        "Earlier runs are in the history of `benchmarks/results/` and of this page.",
         "",
         "## The run",
         "",
         "| | |",
         "| --- | --- |",
-        *_about(main, "run"),
+        *_about(main),
     ]
     if pure is not None:
-        lines += [*_about(pure[1], "pure core")]
+        lines += _about(pure[1], "pure core: ")
     lines += ["", REPRODUCE.rstrip(), "", "## Reading the tables", "", *LEGEND.splitlines()]
     lines += [
         "Each table is followed by how each transport was driven; a peer that is not",
@@ -205,9 +214,9 @@ def render(runs: Sequence[tuple[str, Mapping[str, Any]]]) -> str:
             "",
             "## The pure-Python core",
             "",
-            "The same scenarios with `AIOSHMQ_PURE=1` (aioshmq's pure-Python core, the reference",
-            "the compiled one mirrors), the run right after the one above; its ratios compare",
-            "figures of that run.  Each transport was driven as above.",
+            "The same scenarios with `AIOSHMQ_PURE=1`: aioshmq's pure-Python core, the reference",
+            "the compiled one mirrors, in the run the table above calls the pure core's.  Its",
+            "ratios compare figures of that run; each transport was driven as above.",
         ]
         lines += _scenarios(pure[1], "###", hows=False)
     return "\n".join(lines) + "\n"
@@ -236,5 +245,7 @@ def main(argv: Sequence[str]) -> int:
         runs = [(named(path), load(path)) for path in paths]
     except (OSError, ValueError) as exc:
         parser.error(str(exc))
+    if len(runs) > 1 and not str(runs[1][1]["aioshmq"]["core"]).startswith("pure"):
+        parser.error(f"{args.pure}: not a run of the pure core ({runs[1][1]['aioshmq']['core']})")
     print(render(runs), end="")
     return 0
