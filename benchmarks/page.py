@@ -113,7 +113,7 @@ def _measured(data: Mapping[str, Any]) -> str:
     commit = source["commit"] or "no git commit"
     if source["dirty"]:
         commit += ", with uncommitted changes"
-    return f"aioshmq {source['version']} at {commit}, {source['core']} core"
+    return f"aioshmq {source['version']} at {commit}; core: {source['core']}"
 
 
 def _about(data: Mapping[str, Any], label: str = "") -> list[str]:

@@ -623,6 +623,25 @@ def test_a_full_run_is_kept_under_its_date_commit_and_core(tmp_path: Path) -> No
     assert results_name(dirty) == "2026-12-07-abc1234-dirty-compiled.json"
 
 
+PAGE_SOURCE = re.compile(r"^ +python -m benchmarks page (\S+(?: \S+)?) > benchmarks\.md -->$")
+
+
+@pytest.mark.slow  # milliseconds; in the slow tier with the bench's other new checks
+def test_the_committed_page_is_what_page_writes_from_the_committed_results() -> None:
+    page = (ROOT / "benchmarks.md").read_text()
+    comment = page[: page.index("-->") + 3].splitlines()
+    found = [m for line in comment if (m := PAGE_SOURCE.match(line))]
+    assert found, "benchmarks.md does not say which results it was written from"
+    paths = found[0].group(1).split()
+    assert all(path.startswith("benchmarks/results/") for path in paths), paths
+    runs = [(path, load(ROOT / path)) for path in paths]
+    assert render(runs) == page, "benchmarks.md drifted: run python -m benchmarks page again"
+    assert len(page.splitlines()) <= 400
+    main = runs[0][1]
+    assert main["mode"] == "full" and main["only"] is None and main["aioshmq"]["commit"]
+    assert all(run["aioshmq"]["file"] == run["aioshmq"]["file_in_children"] for _, run in runs)
+
+
 PUBLIC_MODULES = {"aioshmq", "aioshmq.rpc", "aioshmq.remote", "aioshmq.testing"}
 ALLOWED_PRIVATE = {"_asdict", "_exit"}  # namedtuple's and os's: public despite the underscore
 NOT_HARNESS = {"mutations.py"}  # tests the C core itself, by its files
