@@ -6,8 +6,10 @@ bench measures instead:
 
 - the tree named by ``AIOSHMQ_BENCH_TREE`` (a checkout of the repository whose C extension is
   built in place), first on ``sys.path``: how ``compare`` runs each of its two trees;
-- else the installed aioshmq (an editable install included), the checkout's folder only where
-  none is installed.
+- else the installed aioshmq (an editable install included), found with neither the current
+  directory, nor the checkout, nor a folder named ``aioshmq`` that is no package (a clone of
+  the repository seen from its parent) on the path; the checkout's own only where none is
+  installed.
 
 Spawned children import the harness before anything of aioshmq, so they choose the same.
 """
@@ -34,7 +36,7 @@ def import_aioshmq() -> ModuleType:
     if tree:
         return _from_tree(os.path.abspath(tree))
     saved = list(sys.path)
-    sys.path[:] = [entry for entry in saved if not _is_checkout(entry)]
+    sys.path[:] = [entry for entry in saved if not _shadows(entry)]
     try:
         return importlib.import_module("aioshmq")
     except ModuleNotFoundError as exc:
@@ -45,8 +47,15 @@ def import_aioshmq() -> ModuleType:
     return importlib.import_module("aioshmq")  # none installed: the checkout's own
 
 
-def _is_checkout(entry: str) -> bool:
-    return os.path.realpath(entry or os.curdir) == CHECKOUT
+def _shadows(entry: str) -> bool:
+    """Whether ``import aioshmq`` could find something in ``entry`` that is not the installed
+    package: the checkout the harness runs from, the current directory (``python -m`` puts
+    it first), or a folder named aioshmq without ``__init__.py`` (a namespace package)."""
+    where = os.path.realpath(entry or os.curdir)
+    if where in (CHECKOUT, os.path.realpath(os.curdir)):
+        return True
+    folder = os.path.join(where, "aioshmq")
+    return os.path.isdir(folder) and not os.path.isfile(os.path.join(folder, "__init__.py"))
 
 
 def _from_tree(tree: str) -> ModuleType:

@@ -517,6 +517,33 @@ def test_an_iceoryx2_channel_removes_its_files_after_a_reader_is_killed() -> Non
     assert not os.path.exists(channel.root)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(NEW_PATHS_TIMEOUT + 5)
+def test_a_clone_in_a_folder_named_aioshmq_does_not_shadow_the_installed_package(
+    tmp_path: Path,
+) -> None:
+    """Run from inside a clone (a folder named aioshmq, whose own aioshmq/ is not built:
+    here it cannot even be imported) with the clone's parent on the path too, the bench and
+    its spawned children still measure the installed aioshmq."""
+    clone = tmp_path / "aioshmq"
+    (clone / "aioshmq").mkdir(parents=True)
+    (clone / "aioshmq" / "__init__.py").write_text("raise ImportError('the clone, not built')\n")
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "benchmarks", "--tiny", "--only", "serializers"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])}
+    proc = subprocess.run(
+        [*cmd, "--json", str(out)],
+        cwd=clone,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=NEW_PATHS_TIMEOUT,
+        check=False,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    _check_which_aioshmq(json.loads(out.read_text()))
+
+
 def _tree(where: Path, built: bool = True) -> Path:
     """A tree holding a copy of the aioshmq this test imports (its built core with it, or
     not): what ``compare`` wants of a checkout, without a checkout's other files."""
