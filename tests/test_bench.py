@@ -689,7 +689,7 @@ def _privates(path: Path) -> list[str]:
             modules = [node.value] if node.value.startswith("aioshmq.") else []
         for module in modules:
             if module.split(".")[0] == "aioshmq" and module not in PUBLIC_MODULES:
-                found.append(f"{path.name}:{node.lineno}: {module}")
+                found.append(f"{path.name}:{getattr(node, 'lineno', '?')}: {module}")
         if not isinstance(node, ast.Attribute):
             continue
         owner = node.value
