@@ -346,6 +346,11 @@ def echo_main(link: Link, forward: Channel, back: Channel, backend: str) -> int:
         back.close()
 
 
+def where_main(link: Link) -> str:
+    """Where a spawned child imports aioshmq from: the file the run's children measure."""
+    return str(importlib.import_module("aioshmq").__file__)
+
+
 def mirror_main(link: Link, channel: AioshmqMirrorChannel) -> int:
     """The far host's mirror: hold the writer's one remote slot and republish the stream
     into the ring the local readers attach to, until the stream ends."""

@@ -10,12 +10,14 @@ are fastest.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import functools
 import importlib
 import importlib.util
 import os
 import pickle
 import secrets
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -385,6 +387,20 @@ class AioshmqMirrorChannel(AioshmqRemoteChannel):
 # -- raw pyzmq over TCP ----------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _CurveKeys:
+    """A CurveZMQ key pair for each end of a channel, made where the channel is made (pyzmq's
+    own ``curve_keypair``) and handed to both processes with it."""
+
+    server: tuple[bytes, bytes]  #: public, secret
+    client: tuple[bytes, bytes]
+
+    @classmethod
+    def new(cls) -> _CurveKeys:
+        zmq = importlib.import_module("zmq")
+        return cls(zmq.curve_keypair(), zmq.curve_keypair())
+
+
 class _ZmqTcpSender(Sender):
     """Sync pyzmq: streamed from a thread without an event loop, as its users would."""
 
@@ -396,11 +412,9 @@ class _ZmqTcpSender(Sender):
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PUSH)
         try:
-            if channel.curve:
-                keys = _bench_keys()
+            if channel.keys is not None:
                 self._sock.curve_server = True
-                self._sock.curve_secretkey = keys.server_secret
-                self._sock.curve_publickey = keys.server_public
+                self._sock.curve_publickey, self._sock.curve_secretkey = channel.keys.server
             self._sock.sndhwm = channel.depth
             self._sock.sndtimeo = int(SYNC_TIMEOUT * 1000)
             self._sock.bind(channel.endpoint())
@@ -437,11 +451,9 @@ class _ZmqTcpReceiver(Receiver):
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PULL)
         try:
-            if channel.curve:
-                keys = _bench_keys()
-                self._sock.curve_serverkey = keys.server_public
-                self._sock.curve_publickey = keys.client_public
-                self._sock.curve_secretkey = keys.client_secret
+            if channel.keys is not None:
+                self._sock.curve_serverkey = channel.keys.server[0]
+                self._sock.curve_publickey, self._sock.curve_secretkey = channel.keys.client
             self._sock.rcvhwm = channel.depth
             self._sock.rcvtimeo = int(SYNC_TIMEOUT * 1000)
             self._sock.connect(_published(channel.path))
@@ -480,6 +492,7 @@ class ZmqTcpChannel(Channel):
     def _make(self) -> None:
         tag = f"{os.getpid()}-{secrets.token_hex(6)}"
         self.path = os.path.join(tempfile.gettempdir(), f"aioshmq-bench-{tag}.address")
+        self.keys = _CurveKeys.new() if self.curve else None
 
     def sender(self) -> Sender:
         return _ZmqTcpSender(self)
@@ -575,6 +588,225 @@ class FasterFifoChannel(Channel):
 
     def receiver(self, index: int) -> Receiver:
         return _FifoReceiver(self.queue)
+
+
+# -- iceoryx2 --------------------------------------------------------------------------------
+
+IOX_BUFFER = 1024  #: samples a subscriber's buffer holds at most (the channel's depth if less)
+IOX_SLICE = 128  #: bytes of a sample at first: a 100-byte pickle; larger ones grow the pool
+IOX_STREAM = "aioshmq-bench/stream"  #: the publish-subscribe service of every channel
+IOX_WAKE = "aioshmq-bench/wake"  #: its event service, where subscribers sleep
+SHM_DIR = "/dev/shm"  #: where iceoryx2 names its shared memory (POSIX shm_open)
+
+
+class _IoxNode:
+    """One process's iceoryx2 node on a channel, with the channel's services opened.
+
+    Every name the node gives a file starts with the channel's prefix, and its other files go
+    under the channel's own root directory: so the process that made the channel can remove all
+    of them, whatever state the others left them in (``IceoryxChannel.close``).
+    """
+
+    def __init__(self, channel: IceoryxChannel) -> None:
+        iox2: Any = importlib.import_module("iceoryx2")
+        self.iox2 = iox2
+        config = iox2.config.default()
+        config.global_cfg.prefix = iox2.FileName.new(channel.prefix)
+        config.global_cfg.root_path = iox2.Path.new(channel.root + os.sep)
+        self.node = (
+            iox2.NodeBuilder.new()
+            .config(config)
+            .signal_handling_mode(iox2.SignalHandlingMode.Disabled)  # Python's own handlers
+            .create(iox2.ServiceType.Ipc)
+        )
+        # Lossless: a full subscriber buffer holds the publisher back (the defaults overwrite
+        # the oldest sample instead, and buffer 2 samples).
+        self.stream = (
+            self.node.service_builder(iox2.ServiceName.new(IOX_STREAM))
+            .publish_subscribe(iox2.Slice[ctypes.c_uint8])
+            .enable_safe_overflow(False)
+            .subscriber_max_buffer_size(channel.buffer)
+            .max_subscribers(channel.readers)
+            .max_publishers(1)
+            .open_or_create()
+        )
+        self.wake: Any = None
+        if channel.sleep:
+            self.wake = (
+                self.node.service_builder(iox2.ServiceName.new(IOX_WAKE))
+                .event()
+                .max_listeners(channel.readers)
+                .max_notifiers(1)
+                .open_or_create()
+            )
+
+    def close(self) -> None:
+        self.wake = self.stream = self.node = None  # the node last: dropped, it cleans up
+
+
+class _IoxSender(Sender):
+    """A publisher of each message's pickle in a loaned slice: sync, from a thread (iceoryx2's
+    Python binding has no async API).  With a sleeping channel every send also notifies."""
+
+    blocking = True
+
+    def __init__(self, channel: IceoryxChannel) -> None:
+        self._node = node = _IoxNode(channel)
+        iox2 = node.iox2
+        self._readers = channel.readers
+        self._publisher = (
+            node.stream.publisher_builder()
+            .initial_max_slice_len(IOX_SLICE)
+            .allocation_strategy(iox2.AllocationStrategy.PowerOfTwo)
+            .backpressure_strategy(iox2.BackpressureStrategy.RetryUntilDelivered)
+            .create()
+        )
+        self._loan = self._publisher.loan_slice_uninit
+        self._notifier: Any = None
+        self._notify: Callable[[], Any] | None = None
+        if node.wake is not None:
+            self._notifier = node.wake.notifier_builder().create()
+            self._notify = self._notifier.notify
+
+    async def wait_ready(self) -> None:
+        """Return once every subscriber (and, if they sleep, every listener) is there."""
+        deadline = time.monotonic() + CONNECT_TIMEOUT
+        while not self._all_there():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self._readers} iceoryx2 subscribers did not all attach")
+            await anyio.sleep(0.01)
+        self._publisher.update_connections()
+
+    def _all_there(self) -> bool:
+        node = self._node
+        if node.stream.dynamic_config.number_of_subscribers < self._readers:
+            return False
+        return node.wake is None or node.wake.dynamic_config.number_of_listeners >= self._readers
+
+    def send_sync(self, obj: Any, timeout: float) -> None:
+        data = pickle.dumps(obj, protocol=5)
+        sample = self._loan(len(data))
+        ctypes.memmove(sample.payload_ptr, data, len(data))
+        sample.assume_init().send()  # waits while a subscriber's buffer is full
+        if self._notify is not None:
+            self._notify()
+
+    async def send(self, obj: Any) -> None:
+        self.send_sync(obj, SYNC_TIMEOUT)
+
+    def close(self) -> None:
+        if self._notifier is not None:
+            self._notifier.delete()
+            self._notifier = self._notify = None
+        self._publisher.delete()
+        self._node.close()
+
+
+class _IoxReceiver(Receiver):
+    """A subscriber that unpickles each sample's slice where it lies, then releases it.  When
+    its buffer is empty it polls ``receive()`` (``sched_yield`` between two polls), or, on a
+    sleeping channel, waits in its event listener until the publisher notifies."""
+
+    blocking = True
+
+    def __init__(self, channel: IceoryxChannel) -> None:
+        self._node = node = _IoxNode(channel)
+        self._subscriber = node.stream.subscriber_builder().buffer_size(channel.buffer).create()
+        self._listener: Any = None
+        if node.wake is not None:
+            self._listener = node.wake.listener_builder().create()
+
+    def recv_sync(self, timeout: float) -> Any:
+        receive = self._subscriber.receive
+        sample = receive()
+        if sample is None:
+            sample = self._wait(receive, timeout)
+        try:
+            return pickle.loads(sample.payload().as_memory_view())
+        finally:
+            sample.delete()
+
+    def _wait(self, receive: Callable[[], Any], timeout: float) -> Any:
+        deadline = time.monotonic() + timeout
+        if self._listener is None:
+            while (sample := receive()) is None:
+                os.sched_yield()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no iceoryx2 sample in {timeout} s")
+            return sample
+        wait, duration = self._listener.timed_wait, self._node.iox2.Duration.from_secs_f64
+        while (sample := receive()) is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no iceoryx2 sample in {timeout} s")
+            wait(duration(left))  # every notification so far, or none by the deadline
+        return sample
+
+    async def recv(self) -> Any:
+        return self.recv_sync(SYNC_TIMEOUT)
+
+    def close(self) -> None:
+        if self._listener is not None:
+            self._listener.delete()
+            self._listener = None
+        self._subscriber.delete()
+        self._node.close()
+
+
+class IceoryxChannel(Channel):
+    """An iceoryx2 publish-subscribe service (its Python binding, over shared memory) whose
+    samples are byte slices holding each message's pickle (protocol 5), configured lossless:
+    safe overflow off, the publisher's backpressure ``RetryUntilDelivered``, and a subscriber
+    buffer of ``depth`` samples, at most IOX_BUFFER.  Subscribers poll for samples, unless
+    ``sleep``: then each send notifies an event service whose listener they sleep in.
+
+    Each channel names its files with a prefix and keeps the rest under a directory of its
+    own, both made here; the process that made the channel removes them at ``close``, also
+    those of a process that crashed.
+    """
+
+    broadcast = True
+    sleep = False  #: subscribers sleep in an event listener, and every send notifies it
+
+    def _make(self) -> None:
+        self.prefix = f"aioshmq-bench-{secrets.token_hex(6)}_"
+        self.root = tempfile.mkdtemp(prefix="aioshmq-bench-iceoryx2-")
+        self.buffer = max(1, min(self.depth, IOX_BUFFER))
+
+    def sender(self) -> Sender:
+        return _IoxSender(self)
+
+    def receiver(self, index: int) -> Receiver:
+        return _IoxReceiver(self)
+
+    def leftovers(self) -> list[str]:
+        """The files of this channel that exist now (in /dev/shm and under its root)."""
+        found = [
+            os.path.join(SHM_DIR, name)
+            for name in os.listdir(SHM_DIR)
+            if name.startswith(self.prefix)
+        ]
+        if os.path.isdir(self.root):
+            found.append(self.root)
+        return found
+
+    def close(self) -> None:
+        if os.getpid() != self.owner:
+            return
+        for path in self.leftovers():
+            if path == self.root:
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+
+
+class IceoryxSleepingChannel(IceoryxChannel):
+    """``IceoryxChannel`` whose subscribers sleep in its event service's listener."""
+
+    sleep = True
 
 
 # -- pyzmq -----------------------------------------------------------------------------------
@@ -900,6 +1132,25 @@ FASTER_FIFO = Peer(
     "put_many/get_many(64)",
     ("faster_fifo",),
 )
+IOX_HOW = (
+    "publish/subscribe of the pickle in a loaned slice, lossless (safe overflow off, "
+    "RetryUntilDelivered, a 1024-sample subscriber buffer), sync (no async API)"
+)
+ICEORYX2 = Peer(
+    "iceoryx2",
+    IceoryxChannel,
+    f"{IOX_HOW}; the subscriber polls receive(), sched_yield() between polls",
+    "a list of 64 per sample, lossless as one per send",
+    ("iceoryx2",),
+)
+ICEORYX2_ASLEEP = Peer(
+    "iceoryx2",
+    IceoryxSleepingChannel,
+    f"{IOX_HOW}; every send notifies an event service, whose Listener the subscriber "
+    "sleeps in (timed_wait) when its buffer is empty",
+    "-",
+    ("iceoryx2",),
+)
 EVENTFD = Peer("eventfd", EventfdChannel, "os.eventfd kept in the loop, no payload", "-")
 VLLM = Peer(
     "vLLM",
@@ -978,12 +1229,6 @@ ZMQ_TCP_CURVE = Peer(
     "-",
     ("zmq",),
 )
-
-
-def _bench_keys() -> Any:
-    from aioshmq.remote._auth import Keys
-
-    return Keys.from_secret(b"aioshmq-bench-curve-keys")
 
 
 class AioshmqSleepingChannel(AioshmqChannel):

@@ -1,16 +1,16 @@
-"""The report: a table per scenario, every result as JSON, and a PNG chart (matplotlib)."""
+"""The report: a table per scenario, and a PNG chart (matplotlib)."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-import json
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 from .results import Result
+
+T = TypeVar("T")
 
 LEGEND = (
     "(N.Nx) = aioshmq's figure / the peer's: above 1 aioshmq is better for msg/s, calls/s and\n"
@@ -24,6 +24,7 @@ COLORS = {  # one colour per transport in every chart (a name's first word, if n
     "mp.Queue": "#ff7f0e",
     "zmq.asyncio": "#2ca02c",
     "faster-fifo": "#d62728",
+    "iceoryx2": "#e377c2",
     "eventfd": "#bcbd22",
     "memcpy": "#7f7f7f",
     "vLLM": "#9467bd",
@@ -50,7 +51,7 @@ def fmt(value: float, unit: str) -> str:
     return f"{value:.2f}"
 
 
-def _cell(result: Result, base: Result | None) -> str:
+def cell(result: Result, base: Result | None) -> str:
     """A peer's figure, with aioshmq's ratio (or share of memcpy) to it."""
     if result.value is None:
         return result.note.split(":")[0] if result.note.startswith("failed") else result.note
@@ -62,7 +63,8 @@ def _cell(result: Result, base: Result | None) -> str:
     return f"{text} ({base.value / result.value:.1f}x)"
 
 
-def _ordered(items: Sequence[str]) -> list[str]:
+def ordered(items: Iterable[T]) -> list[T]:
+    """``items`` without repeats, in the order each first came."""
     return list(dict.fromkeys(items))
 
 
@@ -86,10 +88,10 @@ def _hows(rows: Sequence[Result]) -> list[str]:
 def table(results: Sequence[Result], titles: Mapping[str, str]) -> str:
     """One block per scenario: a row per (case, metric), a column per transport."""
     out: list[str] = []
-    for scenario in _ordered([r.scenario for r in results]):
+    for scenario in ordered([r.scenario for r in results]):
         rows = [r for r in results if r.scenario == scenario]
-        peers = _ordered(["aioshmq", *(r.peer for r in rows)])
-        keys = _ordered([f"{r.case}\0{r.metric}" for r in rows])
+        peers = ordered(["aioshmq", *(r.peer for r in rows)])
+        keys = ordered([f"{r.case}\0{r.metric}" for r in rows])
         by = {(r.case, r.metric, r.peer): r for r in rows}
         lines = [["case", "metric", *peers]]
         for key in keys:
@@ -102,9 +104,9 @@ def table(results: Sequence[Result], titles: Mapping[str, str]) -> str:
                 if result is None:
                     line.append("")
                 elif peer == "aioshmq":
-                    line.append(_cell(result, None))
+                    line.append(cell(result, None))
                 else:
-                    line.append(_cell(result, base))
+                    line.append(cell(result, base))
             lines.append(line)
         widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
         out.append(f"== {scenario}: {titles.get(scenario, scenario)}")
@@ -117,7 +119,7 @@ def table(results: Sequence[Result], titles: Mapping[str, str]) -> str:
             if n == 0:
                 out.append("  ".join("-" * width for width in widths))
         hows = _hows(rows)
-        failures = _ordered(
+        failures = ordered(
             [f"{r.peer}, {r.case}: {r.note}" for r in rows if r.note.startswith("failed")]
         )
         for how in hows:
@@ -129,26 +131,6 @@ def table(results: Sequence[Result], titles: Mapping[str, str]) -> str:
     return "\n".join(out)
 
 
-def write_json(
-    path: Path,
-    results: Sequence[Result],
-    *,
-    machine: Mapping[str, Any],
-    budget: Mapping[str, Any],
-    seconds: float,
-) -> None:
-    """Every result (scenario, case, peer, metric, value, unit, params, note) and the machine."""
-    data = {
-        "format": "aioshmq-bench/1",
-        "mode": budget["mode"],
-        "budget": dict(budget),
-        "seconds": round(seconds, 1),
-        "machine": dict(machine),
-        "results": [asdict(result) for result in results],
-    }
-    path.write_text(json.dumps(data, indent=2) + "\n")
-
-
 def plot_available() -> bool:
     return importlib.util.find_spec("matplotlib") is not None
 
@@ -158,7 +140,7 @@ def plot(path: Path, results: Sequence[Result], titles: Mapping[str, str]) -> No
     matplotlib = importlib.import_module("matplotlib")
     matplotlib.use("Agg")
     plt = importlib.import_module("matplotlib.pyplot")
-    scenarios = _ordered([r.scenario for r in results])
+    scenarios = ordered([r.scenario for r in results])
     cols = min(3, len(scenarios))
     nrows = (len(scenarios) + cols - 1) // cols
     fig, axes = plt.subplots(nrows, cols, figsize=(6 * cols, 4.2 * nrows), squeeze=False)
@@ -166,8 +148,8 @@ def plot(path: Path, results: Sequence[Result], titles: Mapping[str, str]) -> No
         rows = [r for r in results if r.scenario == scenario]
         unit = rows[0].unit
         rows = [r for r in rows if r.unit == unit]
-        keys = _ordered([f"{r.case}\0{r.metric}" for r in rows])
-        peers = _ordered(["aioshmq", *(r.peer for r in rows)])
+        keys = ordered([f"{r.case}\0{r.metric}" for r in rows])
+        peers = ordered(["aioshmq", *(r.peer for r in rows)])
         by = {(f"{r.case}\0{r.metric}", r.peer): r for r in rows}
         width = 0.8 / len(peers)
         for j, peer in enumerate(peers):

@@ -1,15 +1,26 @@
-"""One figure of the run (or why there is none), and the machine it was measured on."""
+"""One figure of the run (or why there is none), the machine it was measured on, and a run's
+results as data: what ``--json`` writes, what a full run keeps in ``benchmarks/results/``, and
+what ``page`` and ``compare`` read."""
 
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import platform
 import sys
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import aioshmq
+
+from ._which import source
+
+FORMAT = "aioshmq-bench/2"
+RESULTS_DIR = Path(__file__).resolve().parent / "results"  #: where full runs are kept
 
 
 @dataclass(frozen=True)
@@ -56,6 +67,7 @@ def machine_info() -> dict[str, Any]:
                 "numpy",
                 "pyzmq",
                 "faster-fifo",
+                "iceoryx2",
                 "vllm",
                 "torch",
                 "uvloop",
@@ -64,3 +76,69 @@ def machine_info() -> dict[str, Any]:
             )
         },
     }
+
+
+def run_data(
+    results: Sequence[Result],
+    *,
+    command: str,
+    started: datetime,
+    seconds: float,
+    budget: Mapping[str, Any],
+    only: Sequence[str] | None,
+    titles: Mapping[str, str],
+    machine: Mapping[str, Any],
+) -> dict[str, Any]:
+    """A run as data: how it was started, what it measured (aioshmq's commit and core), on
+    what machine, and every result (scenario, case, peer, metric, value, unit, params, note)."""
+    return {
+        "format": FORMAT,
+        "command": command,
+        "started": started.strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "mode": budget["mode"],
+        "only": list(only) if only else None,
+        "budget": dict(budget),
+        "seconds": round(seconds, 1),
+        "aioshmq": source(),
+        "machine": dict(machine),
+        "titles": dict(titles),
+        "results": [asdict(result) for result in results],
+    }
+
+
+def write_json(path: Path, data: Mapping[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def results_name(data: Mapping[str, Any]) -> str:
+    """``<date>-<commit>-<core>.json``: the day the run started, the commit of the aioshmq it
+    measured (``-dirty`` if its tracked files had changed, ``unknown`` outside git), and its
+    core (``compiled`` or ``pure``)."""
+    source = data["aioshmq"]
+    commit = source["commit"] or "unknown"
+    if source["dirty"]:
+        commit += "-dirty"
+    core = str(source["core"]).split()[0]
+    return f"{data['started'][:10]}-{commit}-{core}.json"
+
+
+def keep(data: Mapping[str, Any], directory: Path = RESULTS_DIR) -> Path:
+    """Write a full run's data into ``directory`` under ``results_name``, never over another
+    run's file (a second run of the day on the same commit gets ``-2``, and so on)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    name = results_name(data)
+    path = directory / name
+    n = 1
+    while path.exists():
+        n += 1
+        path = directory / name.replace(".json", f"-{n}.json")
+    write_json(path, data)
+    return path
+
+
+def load(path: Path) -> dict[str, Any]:
+    """A run's data, as written by ``write_json`` (this format only)."""
+    data: dict[str, Any] = json.loads(path.read_text())
+    if data.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a {FORMAT} results file ({data.get('format')!r})")
+    return data

@@ -7,10 +7,13 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
+from datetime import UTC, datetime
 from pathlib import Path
 
-from .report import plot, table, write_json
-from .results import machine_info
+from .loops import where_main
+from .procs import READY_TIMEOUT, Children
+from .report import plot, table
+from .results import keep, machine_info, run_data, write_json
 from .scenarios import SCENARIOS, Bench
 from .workload import FULL, QUICK, TINY
 
@@ -22,8 +25,12 @@ def run(
     only: Sequence[str] | None = None,
     json_path: Path | None = None,
     plot_path: Path | None = None,
+    command: str = "python -m benchmarks",
 ) -> int:
-    """Run the benchmark; 0 if every measurement that could run succeeded, else 1."""
+    """Run the benchmark; 0 if every measurement that could run succeeded, else 1.
+
+    A full run (the full budget, every scenario) keeps its results in
+    ``benchmarks/results/<date>-<commit>-<core>.json``; ``json_path`` gets them too."""
     budget = TINY if tiny else QUICK if quick else FULL
     # vLLM logs to stdout unless told otherwise (children inherit this): stdout is the table's.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
@@ -35,6 +42,7 @@ def run(
         f"{machine['core']} core, pid {os.getpid()}"
     )
     titles = {scenario.name: scenario.title for scenario in SCENARIOS}
+    started_at = datetime.now(UTC)
     started = time.monotonic()
     for scenario in SCENARIOS:
         if only and scenario.name not in only:
@@ -48,11 +56,22 @@ def run(
         f"aioshmq's {machine['core']} core"
     )
     sys.stdout.flush()
+    data = run_data(
+        bench.results,
+        command=command,
+        started=started_at,
+        seconds=seconds,
+        budget=asdict(budget),
+        only=only,
+        titles={name: titles[name] for name in dict.fromkeys(r.scenario for r in bench.results)},
+        machine=machine,
+    )
+    data["aioshmq"]["file_in_children"] = _children_import()
     if json_path is not None:
-        write_json(
-            json_path, bench.results, machine=machine, budget=asdict(budget), seconds=seconds
-        )
+        write_json(json_path, data)
         bench.say(f"wrote {json_path}")
+    if budget is FULL and not only:
+        bench.say(f"kept {keep(data)}")
     if plot_path is not None:
         plot(plot_path, bench.results, titles)
         bench.say(f"wrote {plot_path}")
@@ -60,3 +79,10 @@ def run(
         bench.say(f"{bench.failures} measurement(s) failed: see above")
         return 1
     return 0
+
+
+def _children_import() -> str:
+    """Where the run's spawned children import aioshmq from (a child started now)."""
+    with Children() as kids:
+        result: str = kids.start("aioshmq-where", where_main).expect("result", READY_TIMEOUT)
+    return result

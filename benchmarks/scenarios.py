@@ -49,6 +49,8 @@ from .peers import (
     AIOSHMQ_SYNC,
     EVENTFD,
     FASTER_FIFO,
+    ICEORYX2,
+    ICEORYX2_ASLEEP,
     MP_QUEUE,
     STOP,
     VLLM,
@@ -326,14 +328,14 @@ def _latency(
     hogs: int = 0,
     one_cpu: bool = False,
     split: bool = False,
-    beside: tuple[Peer, dict[str, list[float]]] | None = None,
+    beside: tuple[Sequence[Peer], dict[str, list[float]]] | None = None,
     backend: str = "asyncio",
 ) -> dict[str, float]:
     """Round trips; with ``hogs``, that many busy-looping processes load the CPUs meanwhile;
     with ``one_cpu``, both processes of the ping-pong share one CPU; with ``split``, each
-    side has a CPU of its own; with ``beside``, this peer and that one take turns in one
-    run (the first of the two calls makes the run and leaves the other's samples in the
-    dict)."""
+    side has a CPU of its own; with ``beside``, this peer and those take turns in one run
+    (the first of their calls makes the run and leaves the others' samples in the dict)."""
+    others: Sequence[Peer] = () if beside is None else beside[0]
     if beside is not None and peer.name in beside[1]:
         samples = beside[1].pop(peer.name)
     else:
@@ -344,7 +346,7 @@ def _latency(
         cpus = os.sched_getaffinity(0)
         if one_cpu:  # the processes started meanwhile inherit it
             os.sched_setaffinity(0, {min(cpus)})
-        peers = [peer] if beside is None else [peer, beside[0]]
+        peers = [peer, *others]
         try:
             runs = run_backend(backend, _pingpong, peers, Workload("small"), bench.budget, split)
         finally:
@@ -354,9 +356,10 @@ def _latency(
                 proc.wait()
         samples = runs[0]
         if beside is not None:
-            beside[1][beside[0].name] = runs[1]
-    if beside is not None:
-        params["taking_turns_with"] = beside[0].name
+            for other, run in zip(others, runs[1:], strict=True):
+                beside[1][other.name] = run
+    if others:
+        params["taking_turns_with"] = [other.name for other in others]
     samples.sort()
     params["round_trips"] = len(samples)
     return {
@@ -418,7 +421,7 @@ def small(bench: Bench) -> None:
     for kind, what in (("small", ""), ("tuple", ", a tuple")):
         workload = Workload(kind)  # type: ignore[arg-type]
         for case, batch in ((f"one per put{what}", None), (f"batches of 64{what}", 64)):
-            peers = [AIOSHMQ, MP_QUEUE, ZMQ, ZMQ_SYNC, FASTER_FIFO, VLLM]
+            peers = [AIOSHMQ, MP_QUEUE, ZMQ, ZMQ_SYNC, FASTER_FIFO, ICEORYX2, VLLM]
             if not batch:
                 peers.insert(1, AIOSHMQ_SYNC)
             for peer in peers:
@@ -555,8 +558,9 @@ def latency(bench: Bench) -> None:
             partial(_latency, bench, peer),
             absent=peer.missing(),
         )
-    # Every message wakes a sleeping peer, as the floor's do, and aioshmq and the floor take
-    # turns in one run, so that their ratio is not the VM's drift between two runs.  Where
+    # Every message wakes a sleeping peer, as the floor's do, and aioshmq, the floor and
+    # iceoryx2 (its subscribers asleep in an event listener) take turns in one run, so that
+    # their ratios are not the VM's drift between two runs.  Where
     # the two sides run decides the figure more than either transport does: a wake-up on
     # the waker's own CPU is a context switch, one on the other CPU wakes a halted vCPU.
     # Left to the scheduler, one pair may share a CPU while the other does not.
@@ -571,8 +575,11 @@ def latency(bench: Bench) -> None:
             if backend == "uvloop" and suffix:
                 continue  # one placement is enough to compare the loops
             case = "round trip, peer asleep" + (", uvloop" if backend == "uvloop" else suffix)
+            asleep = (AIOSHMQ_ASLEEP, EVENTFD, ICEORYX2_ASLEEP)
+            present = [peer for peer in asleep if not peer.missing()]
             shared: dict[str, list[float]] = {}
-            for peer, other in ((AIOSHMQ_ASLEEP, EVENTFD), (EVENTFD, AIOSHMQ_ASLEEP)):
+            for peer in asleep:
+                others = [other for other in present if other is not peer]
                 bench.measure(
                     "latency",
                     case,
@@ -583,7 +590,7 @@ def latency(bench: Bench) -> None:
                         _latency,
                         bench,
                         peer,
-                        beside=(other, shared),
+                        beside=(others, shared),
                         backend=backend,
                         split=not suffix,
                         one_cpu="one CPU" in suffix,
@@ -623,6 +630,7 @@ def broadcast(bench: Bench) -> None:
         case = f"1 -> {readers} reader{'s' if readers > 1 else ''}"
         for peer, how in (
             (AIOSHMQ, "put/get, one message per put"),
+            (ICEORYX2, ICEORYX2.how),
             (VLLM, "enqueue/dequeue, one message per enqueue, sync (no async API)"),
         ):
             bench.measure(
@@ -639,8 +647,9 @@ def broadcast(bench: Bench) -> None:
 def idle(bench: Bench) -> None:
     """CPU used by a reader process awaiting an empty ring, as % of a core, watched from
     IDLE_SETTLE after the writer knows it is there.  vLLM's reader blocks in ``dequeue()``
-    whatever the event loop, so it is watched once, under asyncio; a reader that spins for a
-    while before it sleeps shows it here in proportion to the time watched."""
+    and iceoryx2's sleeping subscriber in its listener whatever the event loop, so each is
+    watched once, under asyncio; a reader that spins for a while before it sleeps shows it
+    here in proportion to the time watched."""
     seconds = bench.budget.idle_seconds
     how = "utime+stime from /proc/<pid>/stat"
     for backend, module in (("asyncio", "asyncio"), ("uvloop", "uvloop"), ("trio", "trio")):
@@ -654,6 +663,19 @@ def idle(bench: Bench) -> None:
             partial(_idle_cost, AIOSHMQ, backend, seconds),
             absent=absent,
         )
+    bench.measure(
+        "idle",
+        "asyncio",
+        ICEORYX2_ASLEEP.name,
+        {"cpu": "% core"},
+        {
+            "seconds": seconds,
+            "settle": IDLE_SETTLE,
+            "how": f"Listener.timed_wait() of a sleeping subscriber; {how}",
+        },
+        partial(_idle_cost, ICEORYX2_ASLEEP, "asyncio", seconds),
+        absent=ICEORYX2_ASLEEP.missing(),
+    )
     bench.measure(
         "idle",
         "asyncio",

@@ -1,22 +1,38 @@
-"""``python -m aioshmq bench`` runs end to end: every scenario yields figures (none timed here)."""
+"""``python -m benchmarks`` runs end to end: every scenario yields figures (none timed here);
+``compare`` runs two trees alternately, and ``page`` writes benchmarks.md from a run's results."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import importlib.util
 import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
 import sys
 from collections.abc import Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import run_in_session
 
-import aioshmq
-from benchmarks import rpc as _rpc
-from benchmarks.peers import (
+import aioshmq  # the installed package: imported before this checkout is put on the path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # pytest puts tests/ there; benchmarks/ is the checkout's
+    sys.path.append(str(ROOT))
+
+from benchmarks import rpc as _rpc  # noqa: E402
+from benchmarks.page import render  # noqa: E402
+from benchmarks.peers import (  # noqa: E402
+    ICEORYX2,
     MP_QUEUE,
     VLLM,
     AioshmqChannel,
@@ -24,18 +40,21 @@ from benchmarks.peers import (
     AioshmqMsgpackChannel,
     AioshmqReserveChannel,
     Channel,
+    IceoryxSleepingChannel,
     Peer,
     _AioshmqReceiver,
 )
-from benchmarks.scenarios import SCENARIO_NAMES
-from benchmarks.workload import TINY, Workload, small_tuple
+from benchmarks.procs import CTX, Children, Link, run_backend  # noqa: E402
+from benchmarks.results import keep, load, results_name  # noqa: E402
+from benchmarks.scenarios import SCENARIO_NAMES, _stream  # noqa: E402
+from benchmarks.workload import TINY, Workload, small_tuple  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 HAS_ZMQ = importlib.util.find_spec("zmq") is not None
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 HAS_MSGSPEC = importlib.util.find_spec("msgspec") is not None
+HAS_ICEORYX2 = importlib.util.find_spec("iceoryx2") is not None
 # Where vLLM is installed its readers import torch, seconds each: the tiny run takes minutes.
 TINY_TIMEOUT = 400 if HAS_VLLM else 55
 # The remote scenario alone: about 30 s on 2 busy CPUs (17 processes start for its wire rows).
@@ -68,6 +87,7 @@ def test_bench_tiny_run_reports_every_scenario(tmp_path: Path, only: tuple[str, 
 
     data = json.loads(out.read_text())
     assert data["mode"] == "tiny"
+    _check_which_aioshmq(data)
     assert data["machine"]["cpu_count"] >= 1
     assert data["machine"]["python"] == sys.version.split()[0]
     results = data["results"]
@@ -96,10 +116,32 @@ def test_bench_tiny_run_reports_every_scenario(tmp_path: Path, only: tuple[str, 
     if every:
         _check_rpc_figures(results)
         _check_vllm_rows(results)
+        _check_iceoryx2_rows(results)
         _check_remote_rows(results)
         _check_new_path_rows(results, only)
     if HAS_MATPLOTLIB:
         assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    _check_page(data, only)
+
+
+def _check_which_aioshmq(data: dict[str, Any]) -> None:
+    """The run and its spawned children measured the aioshmq this test imports (the installed
+    one), not a folder of the checkout that happened to be on their path."""
+    source = data["aioshmq"]
+    assert source["file"] == source["file_in_children"] == aioshmq.__file__, source
+    assert source["core"] == aioshmq.CORE and data["format"] == "aioshmq-bench/2"
+    assert data["command"].startswith("python -m benchmarks ")
+
+
+def _check_page(data: dict[str, Any], only: tuple[str, ...]) -> None:
+    """The page written from a run: one table per scenario, a row per case and metric, and
+    within the length a reader can take in."""
+    page = render([("run.json", data)])
+    assert len(page.splitlines()) <= 400
+    for scenario in only:
+        assert f"\n## {scenario}: {data['titles'][scenario]}\n" in page
+    for r in data["results"]:
+        assert f"| {r['case']} | {r['metric']} ({r['unit']}) |" in page, r
 
 
 def _check_measured_only(output: str, results: list[dict[str, Any]]) -> None:
@@ -145,6 +187,39 @@ def _check_vllm_rows(results: list[dict[str, Any]]) -> None:
             assert isinstance(r["value"], float) and r["value"] >= 0 and r["params"]["how"], r
     broadcast = [r for r in mine if r["scenario"] == "broadcast"]
     assert sorted(r["params"]["readers"] for r in broadcast) == [1, 2, 4]
+
+
+ICEORYX2_ROWS = {  # where iceoryx2 is measured, when it is installed
+    *(("small", case, "throughput") for case in ("one per put", "batches of 64")),
+    *(("small", case, "throughput") for case in ("one per put, a tuple", "batches of 64, a tuple")),
+    *(("broadcast", f"1 -> {n} reader{'s' if n > 1 else ''}", "throughput") for n in (1, 2, 4)),
+    *(
+        ("latency", f"round trip, peer asleep{where}", metric)
+        for where in ("", ", unpinned", ", both on one CPU", ", uvloop")
+        for metric in ("p50", "p99")
+    ),
+    ("idle", "asyncio", "cpu"),
+}
+
+
+def _check_iceoryx2_rows(results: list[dict[str, Any]]) -> None:
+    """iceoryx2 has a row wherever it can share one with aioshmq: measured in this run if it
+    is installed, else missing; where it sleeps, aioshmq and the eventfd floor took turns
+    with it."""
+    mine = [r for r in results if r["peer"] == "iceoryx2"]
+    assert {(r["scenario"], r["case"], r["metric"]) for r in mine} == ICEORYX2_ROWS, mine
+    for r in mine:
+        if not HAS_ICEORYX2:
+            assert r["value"] is None and r["note"] == "not installed", r
+            continue
+        assert isinstance(r["value"], float) and r["value"] >= 0, r
+        assert "lossless" in r["params"]["how"] or r["scenario"] == "idle", r
+        if r["scenario"] == "latency":
+            assert r["params"]["taking_turns_with"] == ["aioshmq", "eventfd"], r
+    asleep = [r for r in results if r["case"].startswith("round trip, peer asleep")]
+    for r in asleep:
+        if r["peer"] == "aioshmq" and HAS_ICEORYX2:
+            assert r["params"]["taking_turns_with"] == ["eventfd", "iceoryx2"], r
 
 
 def _check_rpc_figures(results: list[dict[str, Any]]) -> None:
@@ -279,7 +354,9 @@ def test_bench_tiny_run_reports_the_rows_of_the_new_paths(
     cmd = [sys.executable, "-m", "benchmarks", "--tiny", "--only", *only]
     proc = run_in_session([*cmd, "--json", str(out)], ROOT, NEW_PATHS_TIMEOUT)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    results = json.loads(out.read_text())["results"]
+    data = json.loads(out.read_text())
+    _check_which_aioshmq(data)
+    results = data["results"]
     assert {r["scenario"] for r in results} == set(only)
     _check_new_path_rows(results, only)
     for scenario, case, _, _ in _new_path_rows(only):
@@ -392,6 +469,247 @@ def test_a_peer_is_missing_where_it_is_not_installed_or_does_not_import() -> Non
     absent = Peer("absent", MP_QUEUE.channel, "-", "-", ("aioshmq_bench_no_such",), "json")
     assert absent.missing() == "not installed"
     assert Peer("json", MP_QUEUE.channel, "-", "-", ("json",), "json.decoder").missing() is None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_iceoryx2_delivers_every_message_to_every_reader_through_a_full_buffer() -> None:
+    """Its defaults overwrite the oldest sample when a subscriber falls behind; the bench's
+    channel must hold the publisher back instead.  A 4-sample buffer and 2 spawned readers
+    (the bench's start method) make the publisher wait thousands of times in 20,000
+    messages: each reader checks the order of every message, and all must arrive."""
+    pytest.importorskip("iceoryx2")
+    assert CTX.get_start_method() == "spawn"
+    messages = 20_000
+    stream = run_backend(
+        "asyncio",
+        partial(_stream, ICEORYX2, Workload("small"), readers=2, min_messages=messages, depth=4),
+    )
+    assert stream.counted == messages
+    assert [report["count"] for report in stream.reports] == [messages, messages]
+
+
+def _open_then_die(link: Link, channel: Channel) -> None:
+    """A child that opens its end of ``channel`` (files of its own appear) and is killed."""
+    channel.receiver(0)
+    link.ready()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_an_iceoryx2_channel_removes_its_files_after_a_reader_is_killed() -> None:
+    pytest.importorskip("iceoryx2")
+    channel = IceoryxSleepingChannel(1)
+    try:
+        tx = channel.sender()
+        with Children() as kids:  # spawned
+            kid = kids.start("iceoryx2-killed-reader", _open_then_die, channel)
+            kids.ready()
+            kid.proc.join(30)
+            assert kid.proc.exitcode == -signal.SIGKILL
+        shm = [path for path in channel.leftovers() if path.startswith("/dev/shm/")]
+        assert shm and channel.root in channel.leftovers()
+        tx.close()
+    finally:
+        channel.close()
+    assert channel.leftovers() == []
+    assert not os.path.exists(channel.root)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(NEW_PATHS_TIMEOUT + 5)
+def test_a_clone_in_a_folder_named_aioshmq_does_not_shadow_the_installed_package(
+    tmp_path: Path,
+) -> None:
+    """Run from inside a clone (a folder named aioshmq, whose own aioshmq/ is not built:
+    here it cannot even be imported) with the clone's parent on the path too, the bench and
+    its spawned children still measure the installed aioshmq."""
+    clone = tmp_path / "aioshmq"
+    (clone / "aioshmq").mkdir(parents=True)
+    (clone / "aioshmq" / "__init__.py").write_text("raise ImportError('the clone, not built')\n")
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "benchmarks", "--tiny", "--only", "serializers"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])}
+    proc = subprocess.run(
+        [*cmd, "--json", str(out)],
+        cwd=clone,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=NEW_PATHS_TIMEOUT,
+        check=False,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    _check_which_aioshmq(json.loads(out.read_text()))
+
+
+def _tree(where: Path, built: bool = True) -> Path:
+    """A tree holding a copy of the aioshmq this test imports (its built core with it, or
+    not): what ``compare`` wants of a checkout, without a checkout's other files."""
+    package = Path(aioshmq.__file__).parent
+    skip = shutil.ignore_patterns("__pycache__", *(() if built else ("*.so",)))
+    shutil.copytree(package, where / "aioshmq", ignore=skip)
+    return where
+
+
+COMPARE_TIMEOUT = 120  # 4 tiny runs of one scenario: about 15 s on 2 idle CPUs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(COMPARE_TIMEOUT + 5)
+def test_compare_runs_the_trees_alternately_and_reports_new_over_old(tmp_path: Path) -> None:
+    old, new = _tree(tmp_path / "old"), _tree(tmp_path / "new")
+    out = tmp_path / "compare.json"
+    cmd = [sys.executable, "-m", "benchmarks", "compare", str(old), str(new), "--tiny"]
+    cmd += ["--only", "serializers", "--rounds", "2", "--json", str(out)]
+    proc = run_in_session(cmd, ROOT, COMPARE_TIMEOUT)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    data = json.loads(out.read_text())
+    runs = data["runs"]
+    assert [(run["tree"], run["round"]) for run in runs] == [
+        ("old", 1),
+        ("new", 1),
+        ("old", 2),
+        ("new", 2),
+    ]
+    for run in runs:  # each run, and the children it spawned, imported its own tree's
+        tree = old if run["tree"] == "old" else new
+        where = str(tree / "aioshmq" / "__init__.py")
+        source = run["data"]["aioshmq"]
+        assert source["file"] == source["file_in_children"] == where, source
+        assert run["data"]["only"] == ["serializers"] and run["data"]["mode"] == "tiny"
+    assert data["trees"]["old"]["tree"] == str(old) and data["trees"]["new"]["tree"] == str(new)
+    assert f"old: {old} (" in proc.stdout and f"new: {new} (" in proc.stdout
+    for r in runs[0]["data"]["results"]:
+        figures = {
+            label: [
+                next(
+                    x["value"]
+                    for x in run["data"]["results"]
+                    if (x["case"], x["metric"], x["peer"]) == (r["case"], r["metric"], r["peer"])
+                )
+                for run in runs
+                if run["tree"] == label
+            ]
+            for label in ("old", "new")
+        }
+        ratio = statistics.median(figures["new"]) / statistics.median(figures["old"])
+        row = re.compile(
+            rf"^{re.escape(r['case'])}\s+{re.escape(r['metric'])} \(msg/s\)\s+"
+            rf"{re.escape(r['peer'])}\s{{2,}}.*\s{ratio:.2f}$",
+            re.MULTILINE,
+        )
+        assert row.search(proc.stdout), (r, ratio, proc.stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_compare_refuses_a_tree_without_aioshmq_or_without_its_built_core(tmp_path: Path) -> None:
+    built = _tree(tmp_path / "built")
+    (tmp_path / "empty").mkdir()
+    cmd = [sys.executable, "-m", "benchmarks", "compare", str(tmp_path / "empty"), str(built)]
+    proc = run_in_session(cmd, ROOT, 30)
+    assert proc.returncode == 2 and "no aioshmq package there" in proc.stderr, proc.stderr
+    unbuilt = _tree(tmp_path / "unbuilt", built=False)
+    env = {key: value for key, value in os.environ.items() if key != "AIOSHMQ_PURE"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "compare", str(unbuilt), str(built)],
+        cwd=ROOT,
+        env={**env, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=50,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "build_ext --inplace" in proc.stderr and str(unbuilt) in proc.stderr
+
+
+@pytest.mark.slow  # milliseconds; in the slow tier with the bench's other new checks
+def test_a_full_run_is_kept_under_its_date_commit_and_core(tmp_path: Path) -> None:
+    data: dict[str, Any] = {
+        "format": "aioshmq-bench/2",
+        "started": "2026-12-07T10:00:00Z",
+        "aioshmq": {"commit": "abc1234", "dirty": False, "core": "compiled"},
+        "results": [],
+    }
+    assert results_name(data) == "2026-12-07-abc1234-compiled.json"
+    first, second = keep(data, tmp_path), keep(data, tmp_path)
+    assert [first.name, second.name] == [
+        "2026-12-07-abc1234-compiled.json",
+        "2026-12-07-abc1234-compiled-2.json",
+    ]
+    assert load(first) == load(second) == data
+    pure = {
+        **data,
+        "aioshmq": {"commit": None, "dirty": None, "core": "pure (AIOSHMQ_PURE is set)"},
+    }
+    assert results_name(pure) == "2026-12-07-unknown-pure.json"
+    dirty = {**data, "aioshmq": {**data["aioshmq"], "dirty": True}}
+    assert results_name(dirty) == "2026-12-07-abc1234-dirty-compiled.json"
+
+
+PAGE_SOURCE = re.compile(r"^ +python -m benchmarks page (\S+(?: \S+)?) > benchmarks\.md -->$")
+
+
+@pytest.mark.slow  # milliseconds; in the slow tier with the bench's other new checks
+def test_the_committed_page_is_what_page_writes_from_the_committed_results() -> None:
+    page = (ROOT / "benchmarks.md").read_text()
+    comment = page[: page.index("-->") + 3].splitlines()
+    found = [m for line in comment if (m := PAGE_SOURCE.match(line))]
+    assert found, "benchmarks.md does not say which results it was written from"
+    paths = found[0].group(1).split()
+    assert all(path.startswith("benchmarks/results/") for path in paths), paths
+    runs = [(path, load(ROOT / path)) for path in paths]
+    assert render(runs) == page, "benchmarks.md drifted: run python -m benchmarks page again"
+    assert len(page.splitlines()) <= 400
+    main = runs[0][1]
+    assert main["mode"] == "full" and main["only"] is None and main["aioshmq"]["commit"]
+    assert all(run["aioshmq"]["file"] == run["aioshmq"]["file_in_children"] for _, run in runs)
+
+
+PUBLIC_MODULES = {"aioshmq", "aioshmq.rpc", "aioshmq.remote", "aioshmq.testing"}
+ALLOWED_PRIVATE = {"_asdict", "_exit"}  # namedtuple's and os's: public despite the underscore
+NOT_HARNESS = {"mutations.py"}  # tests the C core itself, by its files
+
+
+def _privates(path: Path) -> list[str]:
+    """What ``path`` uses of aioshmq beyond its public API: modules other than the public
+    ones, names of ``aioshmq`` outside ``aioshmq.__all__``, and underscored attributes of
+    anything but the code's own objects."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        modules: list[str] = []
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            modules = [node.module]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            modules = [node.value] if node.value.startswith("aioshmq.") else []
+        for module in modules:
+            if module.split(".")[0] == "aioshmq" and module not in PUBLIC_MODULES:
+                found.append(f"{path.name}:{getattr(node, 'lineno', '?')}: {module}")
+        if not isinstance(node, ast.Attribute):
+            continue
+        owner = node.value
+        if isinstance(owner, ast.Name) and owner.id == "aioshmq":
+            if node.attr not in aioshmq.__all__ and not node.attr.startswith("__"):
+                found.append(f"{path.name}:{node.lineno}: aioshmq.{node.attr}")
+        elif node.attr.startswith("_") and not node.attr.startswith("__"):
+            own = isinstance(owner, ast.Name) and owner.id in ("self", "cls")
+            own = own or (isinstance(owner, ast.Call) and ast.unparse(owner.func) == "super")
+            if not own and node.attr not in ALLOWED_PRIVATE:
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+@pytest.mark.slow  # milliseconds; in the slow tier with the bench's other new checks
+def test_the_harness_and_its_tools_use_only_aioshmqs_public_api() -> None:
+    """Module paths inside aioshmq change: the bench and its tools must not depend on them."""
+    paths = [p for p in (ROOT / "benchmarks").rglob("*.py") if p.name not in NOT_HARNESS]
+    assert len(paths) > 10
+    assert [found for path in paths for found in _privates(path)] == []
 
 
 def test_bench_only_rejects_an_unknown_scenario() -> None:

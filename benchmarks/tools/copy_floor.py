@@ -1,13 +1,13 @@
 """What moving a large payload from one process to another costs with no queue at all.
 
-    python tools/copy_floor.py [--sizes KIB ...] [--slots N] [--count N]
+    python -m benchmarks.tools.copy_floor [--sizes KIB ...] [--slots N] [--count N]
 
 For each size, in GB/s, measured one after the other:
 
 - the bench's memcpy floor: ``numpy.copyto`` into an mmap'd memfd of the same size, best of
   several, source and destination staying in this core's cache;
 - a bare hand-over between two processes: the parent copies the payload into slot
-  ``i % slots`` of a shared memfd (as ``put`` does into the ring), and the child either
+  ``i % slots`` of a shared memfd (as ``put`` does into the ring), and a forked child either
   reads the slot's last byte (as the bench's reader does inside a ``lease()``) or copies the
   slot out into a new ``bytearray`` (as ``get()`` does).  The two take turns through two
   counters on lines of their own and spin on them: no syscall, no pickle, nothing of
@@ -15,9 +15,9 @@ For each size, in GB/s, measured one after the other:
 
 The hand-over is what the bytes themselves cost once they cycle through a ring of several
 payloads, larger than one core's cache, and (for the copy out) cross from one core's cache
-to another's; so it bounds ``put``/``lease`` and ``put``/``get`` of large arrays
-(benchmarks.md).  The spin relies on x86-64's store order; elsewhere the figures still
-stand but the data is not checked.  Run it alone on the machine.
+to another's; so it bounds ``put``/``lease`` and ``put``/``get`` of large arrays (the bench's
+``large`` and ``tensors`` rows).  The spin relies on x86-64's store order; elsewhere the
+figures still stand but the data is not checked.  Run it alone on the machine.
 """
 
 from __future__ import annotations

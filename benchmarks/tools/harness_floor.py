@@ -1,6 +1,6 @@
 """What the bench's small-object rows cost before any transport: their ceiling.
 
-    python tools/harness_floor.py [--batches N] [--rounds N]
+    python -m benchmarks.tools.harness_floor [--batches N] [--rounds N]
 
 Runs, in this one process and with nothing between the two sides, the work each side of the
 bench's small rows does for every message whatever the transport: the writer makes the
@@ -11,8 +11,8 @@ pickled whole, as every peer's batch is), it prints each side's microseconds per
 and the messages a second that side alone allows.
 
 A transport that pickles cannot stream faster than the slower side here: with one process
-per side on two CPUs, that side's figure is the ceiling of the row on this machine
-(benchmarks.md).  Run it alone on the machine.
+per side on two CPUs, that side's figure is the ceiling of the row on this machine.  Run it
+alone on the machine.
 """
 
 from __future__ import annotations

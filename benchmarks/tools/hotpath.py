@@ -1,17 +1,19 @@
-"""The per-message cost of put and get in one process, and of their parts.
+"""The per-message cost of put and get in one process, next to bare pickle.
 
-    python tools/hotpath.py
+    python -m benchmarks.tools.hotpath [--count 100000]
 
-Puts 100,000 of the bench's 100-byte dicts into a ring, then gets them all, twice; prints
-microseconds per put and per get as bare ``pickle.dumps`` (``pickle.loads``) plus the rest
-(issue 11's target: the rest at most 1 us), nanoseconds for parts of the hot paths, and the
-same for ``put_sync`` and ``get_sync``.  ``AIOSHMQ_PURE=1`` measures the pure core.  In one
-process nothing waits, so this is the cost that bounds small-object throughput across
-processes (benchmarks.md).
+Puts ``--count`` of the bench's 100-byte dicts into a ring, then gets them all, twice, and
+prints microseconds per put and per get as bare ``pickle.dumps`` (``pickle.loads``) plus the
+rest: what the library adds to the pickle (negative where the compiled core pickles the
+plain values itself, faster than ``pickle.dumps``).  Then the same for ``put_nowait``/``get_nowait``
+(no await), ``put_sync``/``get_sync`` (no event loop) and ``put_many``/``get_many`` in
+batches of 64 (per message).  ``AIOSHMQ_PURE=1`` measures the pure core.  In one process
+nothing waits, so this is the cost that bounds small-object throughput across processes.
 """
 
 from __future__ import annotations
 
+import argparse
 import pickle
 import time
 import timeit
@@ -23,56 +25,82 @@ import anyio
 import aioshmq
 from benchmarks.workload import small_object
 
-N = 100_000
+BATCH = 64
 
 
-def _ns(fn: Callable[[], Any], number: int = N) -> float:
-    return timeit.timeit(fn, number=number) / number * 1e9
+def _us(fn: Callable[[], Any], number: int) -> float:
+    return timeit.timeit(fn, number=number) / number * 1e6
 
 
-async def main() -> None:
-    objs = [small_object(i) for i in range(N)]
+def _ring(count: int) -> tuple[aioshmq.Writer[Any], aioshmq.Reader[Any]]:
+    """A ring that holds ``count`` of the objects at once, and its one reader."""
+    writer = aioshmq.create(max(1 << 20, 256 * count), max(1024, 2 * count), 1)
+    return writer, aioshmq.connect(writer.name)
+
+
+async def _awaited(objs: list[Any], number: int) -> None:
     data = pickle.dumps(objs[0], protocol=5)
-    with aioshmq.create(256 << 20, 1 << 24, 1) as w, aioshmq.connect(w.name) as r:
+    dumps = _us(lambda: pickle.dumps(objs[0], protocol=5), number)
+    loads = _us(lambda: pickle.loads(data), number)
+    w, r = _ring(len(objs))
+    with w, r:
         for _ in range(2):
             start = time.perf_counter()
             for obj in objs:
                 await w.put(obj)
-            put = (time.perf_counter() - start) / N
+            put = (time.perf_counter() - start) / len(objs) * 1e6
             start = time.perf_counter()
             for _obj in objs:
                 await r.get()
-            get = (time.perf_counter() - start) / N
-            dumps = _ns(lambda: pickle.dumps(objs[0], protocol=5)) / 1e3
-            loads = _ns(lambda: pickle.loads(data)) / 1e3
+            get = (time.perf_counter() - start) / len(objs) * 1e6
             print(
-                f"put {put * 1e6:.2f} us = pickle.dumps {dumps:.2f} + {put * 1e6 - dumps:.2f}   "
-                f"get {get * 1e6:.2f} us = pickle.loads {loads:.2f} + {get * 1e6 - loads:.2f}"
+                f"put {put:.2f} us = pickle.dumps {dumps:.2f} + {put - dumps:.2f}   "
+                f"get {get:.2f} us = pickle.loads {loads:.2f} + {get - loads:.2f}",
+                flush=True,
             )
-        main_bytes, _ = w._ser.dumps(objs[0])
-        print(f"core: {aioshmq.CORE}")
-        print(f"serializer dumps {_ns(lambda: w._ser.dumps(objs[0])):.0f} ns")
-        print(f"ring put_plain + publish {_ns(lambda: w._ring.put_plain(main_bytes)):.0f} ns")
-        print(f"reader publish {_ns(r._ring.publish):.0f} ns")
-        print(f"fence {_ns(aioshmq._atomics.fence):.0f} ns")
-
-
-def blocking() -> None:
-    """put_sync and get_sync, outside any event loop."""
-    objs = [small_object(i) for i in range(N)]
-    with aioshmq.create(256 << 20, 1 << 24, 1) as w, aioshmq.connect(w.name) as r:
         for _ in range(2):
+            batches = [objs[i : i + BATCH] for i in range(0, len(objs), BATCH)]
             start = time.perf_counter()
-            for obj in objs:
-                w.put_sync(obj)
-            put = (time.perf_counter() - start) / N
+            for batch in batches:
+                await w.put_many(batch)
+            put = (time.perf_counter() - start) / len(objs) * 1e6
             start = time.perf_counter()
-            for _obj in objs:
-                r.get_sync()
-            get = (time.perf_counter() - start) / N
-            print(f"put_sync {put * 1e6:.2f} us   get_sync {get * 1e6:.2f} us")
+            got = 0
+            while got < len(objs):
+                got += len(await r.get_many(BATCH))
+            get = (time.perf_counter() - start) / len(objs) * 1e6
+            print(f"put_many {put:.2f} us   get_many {get:.2f} us   (a message, in {BATCH}s)")
+
+
+def _unawaited(objs: list[Any]) -> None:
+    """put_nowait/get_nowait, then put_sync and get_sync, outside any event loop."""
+    w, r = _ring(len(objs))
+    with w, r:
+        for name, put, get in (
+            ("nowait", w.put_nowait, r.get_nowait),
+            ("sync", w.put_sync, r.get_sync),
+        ):
+            for _ in range(2):
+                start = time.perf_counter()
+                for obj in objs:
+                    put(obj)
+                put_us = (time.perf_counter() - start) / len(objs) * 1e6
+                start = time.perf_counter()
+                for _obj in objs:
+                    get()
+                get_us = (time.perf_counter() - start) / len(objs) * 1e6
+                print(f"put_{name} {put_us:.2f} us   get_{name} {get_us:.2f} us", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--count", type=int, default=100_000, help="messages per pass")
+    args = parser.parse_args()
+    print(f"core: {aioshmq.CORE}; {args.count} x the bench's 100-byte dict")
+    objs = [small_object(i) for i in range(args.count)]
+    anyio.run(_awaited, objs, args.count)
+    _unawaited(objs)
 
 
 if __name__ == "__main__":
-    anyio.run(main)
-    blocking()
+    main()

@@ -1,6 +1,7 @@
 """Where a sleeping-peer round trip goes: aioshmq against a bare eventfd ping-pong.
 
-    python tools/latency_pair.py [--uvloop] [--rounds 3000] [--unpinned] [--only KIND]
+    python -m benchmarks.tools.latency_pair [--uvloop] [--rounds 3000] [--warmup 300]
+        [--unpinned] [--only KIND] [--start-method spawn]
 
 Runs, one after the other on the same loop kind, two bare eventfd ping-pongs between two
 processes with no payload (``anyio.wait_readable``, which registers the fd at every wait,
@@ -12,7 +13,8 @@ scheduler, one pair may share a CPU (a wake-up is then a context switch) while t
 does not (a wake-up then wakes a halted vCPU), which moves a ratio by a factor of two.
 Prints each one's p50 round trip and the pinging process's CPU time per round trip (user
 and kernel, from ``os.times()``): the difference is what aioshmq's own work costs per
-round trip.  Under ``strace -c -f`` it also shows the syscalls.
+round trip.  Under ``strace -c -f`` it also shows the syscalls.  The eventfd echoes are
+forked (they inherit the two eventfds); aioshmq's is started with ``--start-method``.
 """
 
 from __future__ import annotations
@@ -29,8 +31,6 @@ import anyio
 
 import aioshmq
 from benchmarks.workload import small_object
-
-WARMUP = 300
 
 
 def _run(fn: Any, *args: Any, uvloop: bool) -> Any:
@@ -144,8 +144,9 @@ async def _aioshmq(forward: str, back: str, rounds: int) -> tuple[list[float], o
     return samples, cpu
 
 
-def _report(name: str, samples: list[float], cpu: os.times_result, rounds: int) -> float:
-    p50 = statistics.median(samples[WARMUP:]) * 1e6
+def _report(name: str, samples: list[float], cpu: os.times_result, args: Any) -> float:
+    rounds = args.rounds
+    p50 = statistics.median(samples[args.warmup :]) * 1e6
     user, system = cpu.user / rounds * 1e6, cpu.system / rounds * 1e6
     print(
         f"{name:8s} p50 {p50:6.1f} us   pinging process CPU {user + system:5.1f} us/trip"
@@ -179,14 +180,13 @@ def _eventfd_pair(name: str, echo_fn: Any, ping_fn: Any, args: argparse.Namespac
     finally:
         os.close(a)
         os.close(b)
-    return _report(name, samples, cpu, args.rounds)
+    return _report(name, samples, cpu, args)
 
 
 def _aioshmq_pair(args: argparse.Namespace) -> float:
     name = f"latency-pair-{os.getpid()}"
-    echo = multiprocessing.get_context("spawn").Process(
-        target=_aioshmq_echo, args=(name, name + "-back", args.uvloop)
-    )
+    context: Any = multiprocessing.get_context(args.start_method)
+    echo = context.Process(target=_aioshmq_echo, args=(name, name + "-back", args.uvloop))
     _start(echo, args)
     try:
         samples, cpu = _run(_aioshmq, name, name + "-back", args.rounds, uvloop=args.uvloop)
@@ -194,18 +194,22 @@ def _aioshmq_pair(args: argparse.Namespace) -> float:
         echo.join(10)
         if echo.is_alive():
             echo.kill()
-    return _report("aioshmq", samples, cpu, args.rounds)
+    return _report("aioshmq", samples, cpu, args)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--uvloop", action="store_true")
-    parser.add_argument("--rounds", type=int, default=3000)
+    parser.add_argument("--rounds", type=int, default=3000, help="round trips per ping-pong")
+    parser.add_argument("--warmup", type=int, default=300, help="first round trips not counted")
+    parser.add_argument("--start-method", default="spawn", choices=("spawn", "forkserver", "fork"))
     parser.add_argument("--unpinned", action="store_true", help="leave placement to the scheduler")
     parser.add_argument(
         "--only", choices=["eventfd", "kept", "aioshmq"], help="run one ping-pong (for perf)"
     )
     args = parser.parse_args()
+    if not 0 <= args.warmup < args.rounds:
+        parser.error("--warmup must be below --rounds")
     args.cpus = sorted(os.sched_getaffinity(0))
     p50 = {}
     if args.only in (None, "eventfd"):

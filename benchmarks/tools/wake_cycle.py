@@ -1,11 +1,11 @@
 """The cost of aioshmq's own sleep and wake-up path, without another process's noise.
 
-    python tools/wake_cycle.py [--uvloop] [--rounds 20000]
+    python -m benchmarks.tools.wake_cycle [--uvloop] [--rounds 20000]
 
 Two tasks on one event loop ping-pong the bench's 100-byte dict over two rings whose
 readers never spin: every message puts a reader to sleep and wakes it through its eventfd
 and the loop, so a round trip is two puts, two gets, two sleeps and two wake-ups, all on
-one CPU.  What ``tools/latency_pair.py`` shows across processes, this shows with the
+one CPU.  What ``benchmarks.tools.latency_pair`` shows across processes, this shows with the
 other process's scheduling (and the VM's) left out: the figure moves only with our code.
 """
 
