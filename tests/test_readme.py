@@ -1,11 +1,12 @@
-"""Every Python snippet in README.md runs as written.
+"""Every Python snippet in README.md and in the documentation's pages (docs/*.md) runs as
+written.
 
 Each fenced block whose info string is ``python`` (or ``py``, ``python3``) is saved as a
 script on its own and run by this interpreter in a fresh process, in an empty temporary
 directory, with a time limit; it must exit with status 0 and print no traceback and no
 warning (a reader process that crashes prints a traceback even when the snippet's own
-process exits cleanly).  Blocks are found anew on every run, whatever the README holds:
-nothing here names a snippet.
+process exits cleanly).  Blocks are found anew on every run, whatever the README and the
+pages hold: nothing here names a snippet or a page.
 
 Expected output: a fenced block with the info string ``text`` placed right after a Python
 block (only blank lines between the two) is what that snippet prints on its standard output.
@@ -22,7 +23,8 @@ run (pids, timings, statistics, the order of lines printed by several processes)
     ```
 
 A snippet that imports a package which is not installed fails (it is never skipped),
-naming the snippet and the package: the test extra installs every package the README uses.
+naming the snippet and the package: the test extra installs every package the README and
+the pages use.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from conftest import run_in_session
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+PAGES = sorted((ROOT / "docs").glob("*.md"))  # the documentation's own pages
 PYTHON_INFO = {"python", "py", "python3"}
 OUTPUT_INFO = "text"
 TIMEOUT = 60.0  # per snippet; the Quick start and RPC snippets spawn processes
@@ -124,13 +127,14 @@ def _id(snippet: Snippet) -> str:
     return f"{prefix}{slug}-line{snippet.code.line}"
 
 
-# The docs' own pages hold snippets too (the rest of the docs include the README's).
-SNIPPETS = _snippets() + _snippets(ROOT / "docs" / "tutorial.md")
+# The README's snippets, then every page's: a page owns its text, snippets included.
+SNIPPETS = _snippets() + [snippet for page in PAGES for snippet in _snippets(page)]
 
 
 def test_the_readme_has_python_snippets() -> None:
     """The parametrized test below is not silently empty."""
-    assert SNIPPETS, "no ```python block found in README.md"
+    assert SNIPPETS, "no ```python block found in README.md or docs/*.md"
+    assert PAGES, "no page found in docs/"
 
 
 def test_block_parser() -> None:
