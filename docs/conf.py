@@ -7,8 +7,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-# The API as the pure classes define it: the compiled core's twins of some methods are C
-# method descriptors, which autodoc cannot show as coroutines or with their annotations.
+# Built from a checkout that may have no compiled core: the pure one, and no warning.
 os.environ["AIOSHMQ_PURE"] = "1"
 
 import aioshmq
@@ -25,4 +24,3 @@ autodoc_default_options = {"members": True, "undoc-members": False}
 html_theme = "furo"
 html_title = f"aioshmq {release}"
 intersphinx_mapping: dict[str, tuple[str, None]] = {}
-suppress_warnings = ["myst.header"]  # README sections keep their own heading levels

@@ -1,4 +1,4 @@
-"""The compiled writer's pickles of plain values (aioshmq/_plainpickle.c): pickle.dumps's bytes,
+"""The compiled writer's pickles of plain values (aioshmq/ring/plainpickle.c): pickle.dumps's bytes,
 exactly, for everything it takes, and nothing for what it leaves to pickle."""
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ except ImportError:  # pragma: no cover - a machine without a compiler
     _ringcore_c = None  # type: ignore[assignment]
 
 needs_compiled = pytest.mark.skipif(_ringcore_c is None, reason="the compiled core is not built")
-# tools/fuzz_sanitized.sh raises these under AddressSanitizer and UBSan.
+# .ci/fuzz-sanitized raises these under AddressSanitizer and UBSan.
 EXAMPLES = int(os.environ.get("AIOSHMQ_FUZZ_EXAMPLES", "0")) or None
 
 

@@ -27,7 +27,7 @@ CPython, and keeps every use of them behind the names in this module:
    the fence is a ``dmb ish`` run from a tiny code page through ctypes.
 
 With the compiled core (``_switch``), the per-message paths use C11 atomics instead (see
-``_ringcore_c.c`` and ARCHITECTURE.md): release stores publish, acquire loads observe, and
+``compiled.c`` and ARCHITECTURE.md): release stores publish, acquire loads observe, and
 ``atomic_thread_fence(memory_order_seq_cst)`` is the full fence, so the argument for them
 is the compiler's and the hardware's.  The three functions below are then that module's
 fences too, for the code that stays in Python (on aarch64 no executable page is made, which
@@ -81,11 +81,11 @@ def _code_fence(code: bytes) -> tuple[Callable[[], None], mmap.mmap]:
 if ARCH not in _X86 + _ARM:  # pragma: no cover - refused on purpose
     raise ImportError(f"aioshmq supports x86-64 and aarch64; no proven memory fence for {ARCH!r}")
 if _switch.COMPILED:
-    from . import compiled as _ringcore_c
+    from . import compiled
 
-    fence: Callable[[], None] = _ringcore_c.fence
-    release: Callable[[], None] = _ringcore_c.release
-    acquire: Callable[[], None] = _ringcore_c.acquire
+    fence: Callable[[], None] = compiled.fence
+    release: Callable[[], None] = compiled.release
+    acquire: Callable[[], None] = compiled.acquire
 elif ARCH in _X86:
     fence = _lock_fence()
     release = _noop

@@ -1,5 +1,5 @@
 /* Protocol-5 pickles of plain values, written in C byte for byte as CPython's _pickle writes
- * them (see _plainpickle.c). */
+ * them (see plainpickle.c). */
 #ifndef AIOSHMQ_PLAINPICKLE_H
 #define AIOSHMQ_PLAINPICKLE_H
 

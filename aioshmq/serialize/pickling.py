@@ -42,7 +42,7 @@ class _Reducing:
 
     # Plain values (exact None, bool, int, float, str, bytes, tuple, list, dict) come out as
     # pickle.dumps writes them: _pickle consults no dispatch table or reducer_override for
-    # those, so the compiled writer may pickle them itself (aioshmq/_plainpickle.c).
+    # those, so the compiled writer may pickle them itself (aioshmq/ring/plainpickle.c).
     plain_as_pickle = True
 
     def __init__(self, pickler: type[pickle.Pickler], table: _Table) -> None:
