@@ -341,3 +341,27 @@ def test_an_anyio_not_tested_is_read_through_its_public_api(
         assert _cancel._task_states() is None, version
     monkeypatch.setattr(_cancel, "_anyio_version", lambda: last)
     assert _cancel._task_states() is not None
+
+
+def test_a_plain_asyncio_task_is_answered_and_sees_a_scope_it_enters_later() -> None:
+    """A task that no anyio code started has no anyio state until it enters a cancel scope:
+    the check answers it quickly meanwhile, and sees the scope once it is entered."""
+    import asyncio
+
+    async def main() -> list[bool]:
+        answers = [_cancel.pending_checkpoint() is None for _ in range(3)]
+        with anyio.CancelScope() as scope:
+            answers.append(_cancel.pending_checkpoint() is None)
+            scope.cancel()
+            answers.append(_cancel.pending_checkpoint() is None)
+            with anyio.CancelScope(shield=True):
+                answers.append(_cancel.pending_checkpoint() is None)
+        answers.append(_cancel.pending_checkpoint() is None)
+        return answers
+
+    for on in (True, False):
+        _cancel.use_internals(on)
+        try:
+            assert asyncio.run(main()) == [True, True, True, True, False, True, True], on
+        finally:
+            _cancel.use_internals(True)

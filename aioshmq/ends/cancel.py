@@ -139,8 +139,14 @@ def pending_checkpoint() -> Checkpoint | None:
         if task is not None and not (seen[2] and loop._thread_id != seen[0]):
             entry = _cache.get(id(task))
             if entry is not None and entry[0]() is task:
+                state = entry[1]
+                if state is None:  # no anyio scope around it when last looked (plain asyncio)
+                    state = _states.data.get(entry[0])  # its weak key, without the Python get
+                    if state is None:
+                        return None
+                    _cache[id(task)] = (entry[0], state)
                 try:
-                    scope = entry[1].cancel_scope
+                    scope = state.cancel_scope
                     while scope is not None:
                         if scope._cancel_called:
                             return checkpoint
@@ -174,10 +180,10 @@ def _look_up() -> Checkpoint | None:
         return _public()
     entry = _cache.get(id(task))
     if entry is None or entry[0]() is not task:
-        state = _states.get(task)
-        if state is None:  # no anyio scope around this task (yet): nothing can cancel it
-            return None
         if len(_cache) >= _CACHED:  # entries of tasks that ended: start afresh
             _cache.clear()
-        _cache[id(task)] = (weakref.ref(task), state)
+        # A task with no anyio scope around it yet (a plain asyncio task) is remembered too:
+        # nothing can cancel it the anyio way until it enters one, which the first path
+        # looks for in anyio's dict at each call.
+        _cache[id(task)] = (weakref.ref(task), _states.get(task))
     return pending_checkpoint()  # found now, on the first path
