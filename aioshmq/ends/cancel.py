@@ -91,6 +91,7 @@ def use_internals(on: bool) -> bool:
     returns whether the internals are now in use.  For tests of both paths."""
     _on[0] = on and _states is not None
     _cache.clear()
+    _seen[:] = [0, None, False]
     return _on[0]
 
 
@@ -132,7 +133,7 @@ def pending_checkpoint() -> Checkpoint | None:
     a shield; ``_look_up`` finds the rest and comes back here.
     """
     seen = _seen
-    if seen[0] == _get_ident() and _on[0]:
+    if seen[0] == _get_ident():  # 0 while anyio's internals are not in use
         loop = seen[1]
         task = _current_task(loop)
         # A stdlib loop says which thread runs it (uvloop does not): not ours, ask again.
@@ -157,7 +158,7 @@ def pending_checkpoint() -> Checkpoint | None:
                             return None
                         scope = scope._parent_scope
                 except AttributeError:  # anyio's internals are not what they were
-                    _on[0] = False
+                    use_internals(False)
                     return _public()
                 return None
     return _look_up()
@@ -174,9 +175,11 @@ def _look_up() -> Checkpoint | None:
         if trio is not None and trio.lowlevel.in_trio_run():
             return _trio()
         return _public()
+    if not _on[0]:  # anyio's internals are not in use: _seen stays clear
+        return _public()
     _seen[:] = [tid, loop, hasattr(loop, "_thread_id")]
     task = _current_task(loop)
-    if task is None or not _on[0]:  # not an asyncio task (trio in guest mode), or no internals
+    if task is None:  # not an asyncio task (trio in guest mode): anyio decides
         return _public()
     entry = _cache.get(id(task))
     if entry is None or entry[0]() is not task:

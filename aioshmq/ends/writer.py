@@ -37,6 +37,7 @@ from .stuck import Stuck
 
 T = TypeVar("T")
 _modules = sys.modules
+_UNTRIED: Any = object()  # _offer: the core was not asked to put the object yet
 _monotonic = time.monotonic
 V = TypeVar("V")
 
@@ -515,26 +516,50 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
             self._check()
         if pending_checkpoint() is not None or _monotonic() >= self._next_yield:
             await self._pause()  # _due(), whose common case is inline here
-        if (frame := self._offer(obj)) is not None:
+        if self._pickles and not self._lock.held:  # _put_object, _offer's first step, inline
+            if not self._torch and "torch" in _modules:
+                self._see_torch()
+            try:
+                rest = self._core.put_object(obj, self._dumps)
+            except Exception as exc:
+                self._put_failed(obj, exc)
+                raise
+            if rest is None:
+                return
+            frame = self._offer(obj, rest)
+        else:
+            frame = self._offer(obj)
+        if frame is not None:
             await self._run([frame])
 
     async def send(self, item: T) -> None:
         """Same as ``put`` (the anyio stream interface)."""
         await self.put(item)
 
-    def _offer(self, obj: T) -> Frame | None:
-        """Serialize ``obj`` and, unless other puts are waiting, write and publish it if
-        there is room now: None.  Otherwise the frame to wait with; nothing was written."""
+    def _put_object(self, obj: T) -> Any:
+        """The core's ``put_object`` with the serializer's pickler: None if ``obj`` was
+        written and published, else what the serializer is to finish (``_offer``)."""
+        if not self._torch and "torch" in _modules:
+            self._see_torch()
         try:
-            if self._pickles and not self._lock.held:
-                if not self._torch and "torch" in _modules:
-                    self._see_torch()
-                rest = self._core.put_object(obj, self._dumps)
-                if rest is None:
-                    return None
-                main, buffers = self._ser.finish(obj, rest)
-            else:
+            return self._core.put_object(obj, self._dumps)
+        except Exception as exc:
+            self._put_failed(obj, exc)
+            raise
+
+    def _offer(self, obj: T, rest: Any = _UNTRIED) -> Frame | None:
+        """Serialize ``obj`` (or finish what ``_put_object`` left, ``rest``) and, unless
+        other puts are waiting, write and publish it if there is room now: None.  Otherwise
+        the frame to wait with; nothing was written."""
+        if rest is _UNTRIED and self._pickles and not self._lock.held:
+            rest = self._put_object(obj)
+            if rest is None:
+                return None
+        try:
+            if rest is _UNTRIED:
                 main, buffers = self._ser.dumps(obj)
+            else:
+                main, buffers = self._ser.finish(obj, rest)
             return self._put_now(main, buffers)
         except Exception as exc:
             self._put_failed(obj, exc)
