@@ -564,10 +564,12 @@ def latency(bench: Bench) -> None:
     # the two sides run decides the figure more than either transport does: a wake-up on
     # the waker's own CPU is a context switch, one on the other CPU wakes a halted vCPU.
     # Left to the scheduler, one pair may share a CPU while the other does not.
+    hogs = len(os.sched_getaffinity(0))
     placements = (
         ("", "the two sides on two CPUs"),
         (", unpinned", "where the scheduler puts them"),
         (", both on one CPU", "both processes on one CPU"),
+        (f", {hogs} busy processes beside", "where the scheduler puts them, beside busy ones"),
     )
     for backend in ("asyncio", "uvloop"):
         absent = None if importlib.util.find_spec(backend) else "not installed"
@@ -594,12 +596,12 @@ def latency(bench: Bench) -> None:
                         backend=backend,
                         split=not suffix,
                         one_cpu="one CPU" in suffix,
+                        hogs=hogs if "busy" in suffix else 0,
                     ),
                     absent=absent or peer.missing(),
                 )
     # A busy machine: as many busy-looping processes as CPUs.  A reader that spins there
     # takes the CPU its peer needs; the default (adaptive) spin must not lose to spin=0.
-    hogs = len(os.sched_getaffinity(0))
     for peer, how in ((AIOSHMQ, "two rings, default spin"), (AIOSHMQ_ASLEEP, AIOSHMQ_ASLEEP.how)):
         bench.measure(
             "latency",
