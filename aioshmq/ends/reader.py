@@ -30,7 +30,8 @@ from .spin import Spin
 
 T = TypeVar("T")
 
-_EMPTY: Any = object()
+_EMPTY: Any = object()  # no message now
+_LATER: Any = object()  # get's first look did not look: _receive does
 _monotonic = time.monotonic
 BYE_TIMEOUT = 1.0
 DEFAULT_SPIN = 0.0002  # per wait: an idle reader spends at most this once per message
@@ -493,25 +494,26 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
 
         A cancelled scope makes it raise before it takes anything, message or not.
         """
-        if (obj := self._take()) is _EMPTY:
-            obj = await self._receive()
+        if (obj := self._take()) is _EMPTY or obj is _LATER:
+            obj = await self._receive(obj is _EMPTY)
         return obj  # type: ignore[no-any-return]
 
     receive = get  # the anyio stream interface: the same function, so no extra frame
 
     async def __anext__(self) -> T:
         """``async for msg in reader``: every message until the writer closes."""
-        if (obj := self._take()) is _EMPTY:
+        if (obj := self._take()) is _EMPTY or obj is _LATER:
             try:
-                obj = await self._receive()
+                obj = await self._receive(obj is _EMPTY)
             except anyio.EndOfStream:
                 raise StopAsyncIteration from None
         return obj  # type: ignore[no-any-return]
 
     def _take(self) -> Any:
-        """The next message if it is a plain one in the ring, and nothing is to be awaited
-        first (a pace, a pending cancellation) or handed out before it; else _EMPTY, and
-        ``_receive`` does the rest.  The common case of ``get``, in one call."""
+        """The next message if it is a plain one in the ring and nothing is to be awaited
+        first (a pace, a pending cancellation) or handed out before it: the common case of
+        ``get``, in one call.  Otherwise ``_receive`` does the rest: after _EMPTY (it
+        looked, and the ring holds no plain message at its head) or _LATER (it did not)."""
         if (
             self._closed
             or self._lock.held
@@ -520,29 +522,37 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
             or _monotonic() >= self._next_yield
             or pending_checkpoint() is not None
         ):
-            return _EMPTY
-        try:
-            return self._core.get_plain(self._loads_plain, _EMPTY)
-        except ValueError:
-            if self._closed:  # closed meanwhile, from the message's own code
-                raise self._closed_error() from None
-            raise
+            return _LATER
+        return self._get_plain()
 
-    async def _receive(self) -> Any:
-        """``get`` after ``_take`` found nothing it could hand out at once."""
-        self._check()
-        if (due := self._due()) is not None:
-            await due()
+    async def _receive(self, looked: bool) -> Any:
+        """``get`` after ``_take``, which ``looked`` at the ring already, or did not."""
+        if not looked:
             self._check()
-        async with self._lock:
-            while (obj := self._poll()) is _EMPTY:
+            if (due := self._due()) is not None:
+                await due()
+                self._check()
+        lock = self._lock
+        if lock.held:
+            await lock.acquire()
+            looked = False
+        else:
+            lock.acquire_nowait()
+        try:
+            core = self._core
+            empty = looked and core.tail == core.head  # nothing at all: wait at once
+            while True:
+                if not empty and (obj := self._poll()) is not _EMPTY:
+                    return obj
+                empty = False
                 await self._wait()
                 # A message after a sleep is most often a plain one: the one-call path.
                 if not self._pending and self._deferred is None:
                     obj = self._get_plain()
                     if obj is not _EMPTY:
                         return obj
-            return obj
+        finally:
+            lock.release()
 
     def _get_plain(self) -> Any:
         """The core's ``get_plain``: a closed reader's released memory is ClosedResourceError."""
