@@ -196,7 +196,13 @@ ICEORYX2_ROWS = {  # where iceoryx2 is measured, when it is installed
     *(("broadcast", f"1 -> {n} reader{'s' if n > 1 else ''}", "throughput") for n in (1, 2, 4)),
     *(
         ("latency", f"round trip, peer asleep{where}", metric)
-        for where in ("", ", unpinned", ", both on one CPU", ", uvloop")
+        for where in (
+            "",
+            ", unpinned",
+            ", both on one CPU",
+            ", 2 busy processes beside",
+            ", uvloop",
+        )
         for metric in ("p50", "p99")
     ),
     ("idle", "asyncio", "cpu"),
