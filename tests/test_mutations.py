@@ -66,8 +66,10 @@ def test_the_test_of_each_mutation_catches_it(tree: Path, mutation: Mutation) ->
             )
         try:
             done = subprocess.run(
-                [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"]
-                + ["--timeout", "60", mutation.test],
+                [
+                    *(sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"),
+                    *("--timeout", "60", mutation.test),
+                ],
                 cwd=tree,
                 env=env,
                 capture_output=True,
