@@ -103,12 +103,24 @@ async def _deadline_passed() -> None:
     await checkpoint()
 
 
+async def _outside_a_loop() -> None:
+    """Await what is awaited outside an event loop: anyio's checkpoint refuses, in words
+    that vary with anyio's version, so say it in ours, naming the way out."""
+    try:
+        await checkpoint()
+    except RuntimeError as exc:
+        raise RuntimeError(
+            "aioshmq's async calls must be awaited in a running event loop (asyncio, uvloop "
+            "or trio, through anyio); outside one, use put_sync or get_sync"
+        ) from exc
+
+
 def _public() -> Checkpoint | None:
     """The answer from anyio's public API (any backend, any version, outside a loop too)."""
     try:
         deadline = anyio.current_effective_deadline()
-    except Exception:  # outside an event loop: let anyio's checkpoint say so
-        return checkpoint
+    except Exception:
+        return _outside_a_loop
     if deadline == -_INF:
         return checkpoint
     if deadline <= anyio.current_time():
