@@ -450,7 +450,6 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         token = None if self._armable() else self._hold(True)
         try:
             while True:
-                self._drain()
                 if self._closed:
                     self._check()
                 due = source.pump()
@@ -459,6 +458,9 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
                 if due <= time.monotonic():  # more to take at once
                     await checkpoint()
                     continue
+                self._drain()  # only now: nothing was wasted on a wait that is not needed
+                if self._closed:
+                    self._check()
                 if not core.prepare_sleep():
                     return
                 try:  # the source's pump fills the ring in this thread or, rarely, its own
@@ -476,12 +478,14 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         core, ring = self._core, self._ring
         token = self._hold(False)
         try:
-            self._wake.drain()
             if self._closed:
                 self._check()
             due = source.pump()
             if core.available() or ring.ended() or due <= time.monotonic():
                 return
+            self._wake.drain()
+            if self._closed:
+                self._check()
             if not core.prepare_sleep():
                 return
             try:

@@ -6,7 +6,7 @@ import hashlib
 import ipaddress
 import socket
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import zmq
 from zmq.utils import z85
@@ -100,9 +100,25 @@ def check_address(address: object, what: str) -> str:
     return address
 
 
-def events(sock: zmq.Socket[bytes]) -> int:
-    """The socket's ZMQ_EVENTS: also what makes its fd signal again once read."""
-    return cast(int, sock.get(zmq.EVENTS))
+# Plain ints: pyzmq's flag enums cost more, on the data path, than the calls they go to.
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+_SNDMORE = int(zmq.SNDMORE)
+NOBLOCK = int(zmq.NOBLOCK)
+
+
+def readable(sock: zmq.Socket[bytes]) -> bool:
+    """Whether a message waits on the socket (its ZMQ_EVENTS, whose reading is also what
+    makes its fd signal again), asked instead of trying a receive: pyzmq's ``zmq.Again``
+    costs several times more."""
+    return bool(cast(int, sock.get(_EVENTS)) & _POLLIN)
+
+
+def send_frames(sock: zmq.Socket[bytes], frames: list[Any], copy: bool = True) -> None:
+    """``send_multipart`` without its per-frame checks and flag arithmetic on enums."""
+    last = len(frames) - 1
+    for i, frame in enumerate(frames):
+        sock.send(frame, _SNDMORE if i < last else 0, copy=copy)
 
 
 def fd_of(sock: zmq.Socket[bytes]) -> int:

@@ -19,7 +19,7 @@ from ..base.errors import CorruptedError, busy
 from ..ends.writer import MirrorWriter
 from ..ring.layout import Layout
 from . import _wire as W
-from ._auth import Keys, events, fd_of, secure_client, tune
+from ._auth import NOBLOCK, Keys, fd_of, readable, secure_client, tune
 
 BYE_WAIT = 1.0
 BATCH = 256  # messages taken from the socket per pump, before the ring gets its turn
@@ -219,10 +219,9 @@ class Link:
             more = False
             if self._cut is None:
                 for _ in range(BATCH):
-                    try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
+                    if not readable(sock):
                         break
+                    frames = sock.recv_multipart(NOBLOCK, copy=False)
                     self._heard = now
                     if not self._take(frames, now):
                         break
@@ -244,7 +243,7 @@ class Link:
                     self._say(W.ACK, held, now)
                 elif now - self._spoke >= self._beat:
                     self._say(W.PING, held, now)  # also acknowledges
-            if more or events(sock) & zmq.POLLIN:
+            if more or readable(sock):
                 return now  # more to take now: the fd need not say so again
             return min(self._spoke + self._beat, self._heard + self._timeout)
 

@@ -19,7 +19,17 @@ from ..ends.reader import RelayReader
 from ..ring.layout import Layout
 from ..ring.ring import RingReader
 from . import _wire as W
-from ._auth import ZAP_ENDPOINT, Keys, events, fd_of, secure_server, tune, zap_reply
+from ._auth import (
+    NOBLOCK,
+    ZAP_ENDPOINT,
+    Keys,
+    fd_of,
+    readable,
+    secure_server,
+    send_frames,
+    tune,
+    zap_reply,
+)
 from ._guard import Guard
 
 ATTACH_TIMEOUT = 5.0
@@ -152,7 +162,7 @@ class Server:
                     timeout = min(timeout, remote.heartbeat / 3)
                 if self._finishing and not self._remotes:
                     return
-                if events(self._router) & zmq.POLLIN:
+                if readable(self._router):
                     timeout = 0.0
             ready = dict(poller.poll(int(timeout * 1000) + (timeout > 0)))
             if self._stop_r in ready:
@@ -213,7 +223,7 @@ class Server:
 
     def _send(self, remote: _Remote, frames: list[Any], copy: bool = True) -> None:
         try:
-            self._router.send_multipart([remote.rid, *frames], copy=copy)
+            send_frames(self._router, [remote.rid, *frames], copy)
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
@@ -228,10 +238,9 @@ class Server:
     def _receive(self) -> bool:
         """Handle what the remote readers sent, 256 messages at most; True once none is left."""
         for _ in range(256):  # then the rings get their turn again
-            try:
-                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+            if not readable(self._router):
                 return True
+            frames = self._router.recv_multipart(NOBLOCK, copy=False)
             self.requests += 1
             self._guard.heard(frames[0])
             if len(frames) != 2 or not len(frames[1]):
@@ -424,7 +433,7 @@ class Server:
             for remote in list(self._remotes.values()):
                 if not remote.away:
                     self._pump(remote, now)
-            news = events(self._router) & zmq.POLLIN
+            news = readable(self._router)
         finally:
             self._lock.release()
         if news:  # read by the sends above: the socket's fd may not say so again
