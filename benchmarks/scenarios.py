@@ -752,6 +752,25 @@ def lag(bench: Bench) -> None:
         partial(measure, peer=AIOSHMQ_REMOTE),
         absent=_numpy_missing() or AIOSHMQ_REMOTE.missing(),
     )
+    # The same without CURVE: what the encryption's CPU, on as few cores as there are
+    # processes, adds to the lag.
+    bench.measure(
+        "lag",
+        f"{count} x 1 MiB to 2 remote readers",
+        "aioshmq-plain",
+        {**gap_units, "throughput": "GB/s"},
+        {
+            "bytes": count * nbytes,
+            "message_bytes": nbytes,
+            "readers": 2,
+            "tick_ms": 1.0,
+            "capacity": SMALL_CAPACITY,
+            "backend": "asyncio",
+            "how": f"{AIOSHMQ_PLAIN.how}; a ticker task in each of the 3 loops",
+        },
+        partial(measure, peer=AIOSHMQ_PLAIN),
+        absent=_numpy_missing() or AIOSHMQ_PLAIN.missing(),
+    )
     bench.measure(
         "lag",
         case,

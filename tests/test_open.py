@@ -79,7 +79,7 @@ def test_a_waiter_that_gives_up_stops_looking() -> None:
 
     def look() -> None:
         try:
-            _broker._reach(_name(), None, give_up)
+            _broker.reach(_name(), None, give_up)
         except BaseException as exc:
             errors.append(exc)
 

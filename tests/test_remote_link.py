@@ -188,10 +188,11 @@ async def test_wrong_or_missing_secret_is_refused_and_the_writer_serves_on() -> 
     w = aioshmq.create(listen="tcp://127.0.0.1:0", secret=SECRET)
     assert w.address is not None
     with w:
-        with pytest.raises(PermissionError, match="secret"):
-            aioshmq.connect(w.address, secret=b"another-secret-" + b"x" * 20, timeout=10)
-        with pytest.raises(PermissionError):
-            aioshmq.connect(w.address, insecure_loopback=True, timeout=10)
+        # A handshake cut short says no more than that: the writer could not be reached.
+        with pytest.raises(TimeoutError, match=r"cut short.*another secret"):
+            aioshmq.connect(w.address, secret=b"another-secret-" + b"x" * 20, timeout=1)
+        with pytest.raises(TimeoutError, match="needs one here too"):
+            aioshmq.connect(w.address, insecure_loopback=True, timeout=1)
         # A peer that knows the writer's public key but not the secret: CURVE alone would let
         # it in; the writer's ZAP check must not.
         ctx = zmq.Context()
@@ -203,7 +204,7 @@ async def test_wrong_or_missing_secret_is_refused_and_the_writer_serves_on() -> 
             sock.curve_publickey, sock.curve_secretkey = public, private
             monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
             sock.connect(w.address)
-            sock.send(b'H{"v": 1, "reader": 0, "heartbeat": 3, "peer": "intruder"}')
+            sock.send(b'H{"v": 2, "reader": 0, "heartbeat": 3, "peer": "intruder"}')
             assert monitor.poll(10_000), "the handshake was not refused"
             monitor.close()
             sock.close()
@@ -248,7 +249,7 @@ def test_plain_traffic_only_by_name_and_only_on_loopback() -> None:
 
 
 def test_nothing_listens_there_is_a_timeout_not_a_hang() -> None:
-    with pytest.raises(TimeoutError, match="no answer"):
+    with pytest.raises(TimeoutError, match=r"could not be reached.*nothing accepted"):
         aioshmq.connect("tcp://127.0.0.1:9", secret=SECRET, timeout=0.5)
 
 

@@ -66,16 +66,39 @@ async def test_a_mirror_gives_every_local_reader_every_message() -> None:
 
 
 def _mirror_command(
-    address: str, name: str, readers: int, heartbeat: float
+    address: str,
+    name: str,
+    readers: int,
+    heartbeat: float,
+    *more: str,
+    reader: int = 0,
+    env: dict[str, str] | None = None,
 ) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "AIOSHMQ_SECRET": SECRET.decode()}
+    """The command in a process of its own (start method: a fresh interpreter)."""
+    if env is None:
+        env = {"AIOSHMQ_SECRET": SECRET.hex()}
     options = ["--readers", str(readers), "--name", name, "--heartbeat", str(heartbeat)]
     return subprocess.Popen(
-        [sys.executable, "-m", "aioshmq", "mirror", address, "--reader", "0", *options],
-        env=env,
+        [
+            *(sys.executable, "-m", "aioshmq", "mirror", address, "--reader", str(reader)),
+            *options,
+            *more,
+        ],
+        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+    )
+
+
+def _command(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m aioshmq mirror ARGS`` run to its end: (status, stderr)."""
+    return subprocess.run(
+        [sys.executable, "-m", "aioshmq", "mirror", *args],
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 
@@ -189,3 +212,107 @@ def _kill(proc: subprocess.Popen[str]) -> None:
     for stream in (proc.stdout, proc.stderr):
         if stream is not None:
             stream.close()
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_and_sigint_close_each_of_several_mirrors_once_exit_0_and_free_the_slot() -> None:
+    """Four mirrors at once, stopped by a signal, three times over on the same slots: each
+    exits 0 with no traceback, and its slot is free again for the next round."""
+    with aioshmq.create(readers=4, listen="tcp://127.0.0.1:0", secret=SECRET) as w:
+        assert w.address is not None
+        for round_, sig in enumerate((signal.SIGTERM, signal.SIGINT, signal.SIGTERM)):
+            names = [f"mirror-{secrets.token_hex(4)}" for _ in range(4)]
+            procs = [
+                _mirror_command(w.address, name, 1, 3.0, reader=i) for i, name in enumerate(names)
+            ]
+            try:
+                for proc in procs:
+                    _ready(proc)
+                w.put_sync(round_)
+                for name in names:
+                    with aioshmq.connect(name, reader=0) as r:
+                        assert r.get_sync(timeout=30) == round_
+                for proc in procs:
+                    proc.send_signal(sig)
+                for proc in procs:
+                    assert proc.wait(30) == 0
+                    assert proc.stderr is not None
+                    err = proc.stderr.read()
+                    assert "Traceback" not in err and "Assertion" not in err, err
+                deadline = time.monotonic() + 10
+                while any(w.remote_reader(i) is not None for i in range(4)):
+                    assert time.monotonic() < deadline, "a slot was not given back"
+                    time.sleep(0.01)
+            finally:
+                for proc in procs:
+                    _kill(proc)
+
+
+@pytest.mark.timeout(60)
+def test_the_secret_file_is_read_byte_for_byte_and_the_environment_as_hex(tmp_path: Path) -> None:
+    """A secret that ends in CR and LF bytes works from the file: nothing is stripped.  The
+    second mirror holds the slot the first gave back, after what the first had."""
+    secret = secrets.token_bytes(30) + b"\r\n"
+    path = tmp_path / "secret"
+    path.write_bytes(secret)
+    with aioshmq.create(listen="tcp://127.0.0.1:0", secret=secret) as w:
+        assert w.address is not None
+        for i, env in enumerate(({"AIOSHMQ_SECRET": ""}, {"AIOSHMQ_SECRET": secret.hex().upper()})):
+            name = f"mirror-{secrets.token_hex(4)}"
+            more = ("--secret-file", str(path)) if i == 0 else ()
+            proc = _mirror_command(w.address, name, 1, 3.0, *more, env=env)
+            try:
+                _ready(proc)
+                with aioshmq.connect(name, reader=0) as r:
+                    w.put_sync(i)
+                    assert r.get_sync(timeout=30) == i
+                proc.send_signal(signal.SIGTERM)
+                assert proc.wait(30) == 0
+            finally:
+                _kill(proc)
+
+
+def test_every_error_of_the_command_is_one_line_naming_what_to_change(tmp_path: Path) -> None:
+    short = tmp_path / "short"
+    short.write_bytes(b"0123456789")
+    good = tmp_path / "good"
+    good.write_bytes(SECRET)
+    address = "tcp://127.0.0.1:9"
+    cases: list[tuple[list[str], dict[str, str], int, str]] = [
+        ([address, "--readers", "0", "--secret-file", str(good)], {}, 2, "--readers"),
+        ([address, "--reader", "-1", "--secret-file", str(good)], {}, 2, "--reader"),
+        ([address, "--heartbeat", "0", "--secret-file", str(good)], {}, 2, "--heartbeat"),
+        (["udp://x:1", "--secret-file", str(good)], {}, 2, "ADDRESS"),
+        ([address], {"AIOSHMQ_SECRET": ""}, 2, "--secret-file"),
+        ([address, "--secret-file", str(short)], {}, 2, "--secret-file"),
+        ([address, "--secret-file", str(tmp_path / "none")], {}, 2, "--secret-file"),
+        ([address], {"AIOSHMQ_SECRET": "not hex"}, 2, "AIOSHMQ_SECRET"),
+        ([address, "--insecure-loopback", "--secret-file", str(good)], {}, 2, "not both"),
+        ([address, "--name", "a/b", "--secret-file", str(good)], {}, 2, "--name"),
+        ([address, "--timeout", "0.3", "--secret-file", str(good)], {}, 1, "--timeout"),
+    ]
+    for args, env, status, flag in cases:
+        done = _command(*args, env={"AIOSHMQ_SECRET": "", **env})
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == status, (args, done.stderr)
+        assert len(lines) == 1 and lines[0].startswith("aioshmq mirror: "), (args, done.stderr)
+        assert flag in lines[0], (args, lines[0])
+
+
+def test_without_pyzmq_the_command_names_the_extra_to_install(tmp_path: Path) -> None:
+    fake = tmp_path / "zmq"
+    fake.mkdir()
+    (fake / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'zmq'\", name='zmq')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "aioshmq", "mirror", "tcp://127.0.0.1:9", "--insecure-loopback"],
+        env={**os.environ, "PYTHONPATH": f"{tmp_path}:{ROOT}"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1
+    assert done.stderr.strip() == (
+        "aioshmq mirror: aioshmq's remote path needs pyzmq: pip install 'aioshmq[remote]'"
+    )

@@ -137,7 +137,10 @@ async def test_the_writer_reuses_only_what_a_remote_reader_acknowledged() -> Non
             sock.rcvtimeo = 10_000
             secure_client(sock, Keys.from_secret(SECRET))
             sock.connect(w.address)
-            sock.send(W.pack_json(W.HELLO, {"v": 1, "reader": 0, "heartbeat": 30, "peer": "t"}))
+            sock.send(W.pack_json(W.HELLO, {"v": 2, "reader": 0, "heartbeat": 30, "peer": "t"}))
+            assert sock.poll(10_000)
+            welcome = W.unpack_json(sock.recv())
+            sock.send(W.PING + W.POS.pack(*welcome["start"]))  # go ahead: nothing comes before
             while True:
                 assert sock.poll(10_000)
                 frames = sock.recv_multipart()

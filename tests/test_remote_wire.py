@@ -101,12 +101,12 @@ def test_a_hostile_peer_with_the_secret_cannot_break_the_writer() -> None:
             garbage = [
                 b"",
                 b"?",
-                b"H" + b"[" * 5000,
-                b"H" + b"x" * 100_000,
-                b'H{"v": 1, "reader": "0", "heartbeat": 3, "peer": "p"}',
-                b'H{"v": 1, "reader": 9, "heartbeat": 3, "peer": "p"}',
+                b"H" + b"[" * 4000,
+                b"H" + b"x" * 4100,  # over MAX_JSON, under the socket's limit (over it: dropped)
+                b'H{"v": 2, "reader": "0", "heartbeat": 3, "peer": "p"}',
+                b'H{"v": 2, "reader": 9, "heartbeat": 3, "peer": "p"}',
                 b'H{"v": 99, "reader": 0, "heartbeat": 3, "peer": "p"}',
-                b'H{"v": 1, "reader": 0, "heartbeat": 1e300, "peer": "p"}',
+                b'H{"v": 2, "reader": 0, "heartbeat": 1e300, "peer": "p"}',
                 b"A" + W.POS.pack(1, 1),
                 b"R",
                 b"M{}",
@@ -123,7 +123,7 @@ def test_a_hostile_peer_with_the_secret_cannot_break_the_writer() -> None:
             assert refusals >= 7
             # Now attach for real, then acknowledge what was never sent: the slot is given up
             # as a dead reader, never advanced past what its reader holds.
-            sock.send(W.pack_json(W.HELLO, {"v": 1, "reader": 1, "heartbeat": 3, "peer": "p"}))
+            sock.send(W.pack_json(W.HELLO, {"v": 2, "reader": 1, "heartbeat": 3, "peer": "p"}))
             while True:
                 assert sock.poll(10_000)
                 reply = sock.recv()
@@ -156,6 +156,7 @@ async def test_a_hostile_writer_with_the_secret_gives_peer_died_not_a_crash() ->
     try:
         router = ctx.socket(zmq.ROUTER)
         router.linger = 0
+        router.router_handover = 1  # the reader connects again after the welcome
         secure_server(router, None if keys is None else keys)
         zap = ctx.socket(zmq.REP)
         zap.bind("inproc://zeromq.zap.01")
@@ -163,25 +164,37 @@ async def test_a_hostile_writer_with_the_secret_gives_peer_died_not_a_crash() ->
         address = router.get_string(zmq.LAST_ENDPOINT)
 
         def serve() -> None:
-            from aioshmq.remote._auth import zap_reply
-
-            zap.send_multipart(zap_reply(zap.recv_multipart(), keys))
-            rid, hello = router.recv_multipart()
-            assert json.loads(hello[1:])["reader"] == 0
-            welcome: dict[str, Any] = {
-                "v": 1,
-                "capacity": 1 << 16,
-                "max_messages": 64,
-                "readers": 1,
-                "serializer": "pickle",
-                "pid": 4242,
-                "host": "elsewhere",
-                "heartbeat": 3.0,
-                "start": [0, 0],
-            }
-            router.send_multipart([rid, W.pack_json(W.WELCOME, welcome)])
             import pickle
 
+            from aioshmq.remote._auth import zap_reply
+
+            poller = zmq.Poller()
+            poller.register(zap, zmq.POLLIN)
+            poller.register(router, zmq.POLLIN)
+            while True:  # a handshake, then the reader's second connection with its limits
+                events = dict(poller.poll(20_000))
+                assert events, "the reader went quiet"
+                if zap in events:
+                    zap.send_multipart(zap_reply(zap.recv_multipart(), keys))
+                if router not in events:
+                    continue
+                rid, body = router.recv_multipart()
+                if body[:1] == W.HELLO:
+                    assert json.loads(body[1:])["reader"] == 0
+                    welcome: dict[str, Any] = {
+                        "v": 2,
+                        "capacity": 1 << 16,
+                        "max_messages": 64,
+                        "readers": 1,
+                        "serializer": "pickle",
+                        "pid": 4242,
+                        "host": "elsewhere",
+                        "heartbeat": 3.0,
+                        "start": [0, 0],
+                    }
+                    router.send_multipart([rid, W.pack_json(W.WELCOME, welcome)])
+                elif body[:1] == W.PING:  # go ahead
+                    break
             good = _record(L.MSG, pickle.dumps("whole"))
             head, run = _run(good)
             router.send_multipart([rid, head, run])

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
+import mmap
 import os
 import secrets
 import subprocess
@@ -13,7 +15,8 @@ import anyio
 import pytest
 
 import aioshmq
-from aioshmq.cli.stat import format_view, observe, ring_names
+from aioshmq.cli.stat import format_view, observe, request_view, ring_names
+from aioshmq.ring.layout import Layout
 
 pytestmark = pytest.mark.anyio
 
@@ -68,6 +71,27 @@ async def test_observing_takes_no_slot_and_leaves_no_trace() -> None:
         with aioshmq.connect(w.name, 0) as r:  # the only slot is still free
             await w.put("x")
             assert await r.get() == "x"
+
+
+def test_an_observer_gets_the_memory_read_only() -> None:
+    """An observer of the same user could otherwise map the ring writable and scribble it."""
+    with aioshmq.create(capacity=1 << 16, name=_name()) as w:
+        reply, fd = request_view(w.name)
+        try:
+            assert reply["ok"] and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
+            size = os.fstat(fd).st_size
+            with pytest.raises(PermissionError):
+                mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            with pytest.raises(OSError):
+                os.pwrite(fd, b"x", 0)
+            with mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as memory:
+                view = memoryview(memory)
+                try:  # readable, as the live view needs
+                    assert Layout.read_header(view)[0].capacity == 1 << 16
+                finally:
+                    view.release()
+        finally:
+            os.close(fd)
 
 
 def test_a_dead_reader_and_a_missing_ring() -> None:

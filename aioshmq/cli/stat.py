@@ -12,7 +12,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..ends.broker import OBSERVE, _reach, check_name, peer_credentials
+from ..ends.broker import OBSERVE, check_name, peer_credentials, reach
 from ..ring import format as L
 from ..ring.layout import Layout
 
@@ -55,8 +55,25 @@ class RingView:
 def observe(name: str, timeout: float = 5.0) -> RingView:
     """A snapshot of ring ``name``: its counters from its memory, mapped read-only, and its
     slots' states from its writer.  Rings of other users are refused, as ``connect`` does."""
+    reply, fd = request_view(name, timeout)
+    try:
+        size = os.fstat(fd).st_size
+        memory = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    with memory:
+        view = memoryview(memory)
+        try:
+            return _snapshot(name, reply, view)
+        finally:
+            view.release()
+
+
+def request_view(name: str, timeout: float = 5.0) -> tuple[dict[str, Any], int]:
+    """What the writer of ring ``name`` tells an observer: its reply, and a read-only
+    descriptor of the ring's memory (the caller closes it)."""
     name = check_name(name)
-    sock = _reach(name, time.monotonic() + timeout, None)
+    sock = reach(name, time.monotonic() + timeout, None)
     with sock:
         _pid, uid = peer_credentials(sock)
         me = os.getuid()
@@ -71,18 +88,11 @@ def observe(name: str, timeout: float = 5.0) -> RingView:
         reply = json.loads(msg) if msg else {}
         raise FileNotFoundError(reply.get("message", f"ring {name!r} closed"))
     try:
-        reply = json.loads(msg)
-        size = os.fstat(fds[0]).st_size
-        memory = mmap.mmap(fds[0], size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-    finally:
+        return json.loads(msg), fds[0]
+    except BaseException:
         for fd in fds:
             os.close(fd)
-    with memory:
-        view = memoryview(memory)
-        try:
-            return _snapshot(name, reply, view)
-        finally:
-            view.release()
+        raise
 
 
 def _snapshot(name: str, reply: dict[str, Any], buf: memoryview) -> RingView:

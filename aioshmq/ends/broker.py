@@ -322,7 +322,12 @@ class Broker:
         slots = {"states": states, "pids": pids, "peers": peers}
         reply = {"ok": True, "serializer": self.serializer, "slots": slots}
         try:
-            socket.send_fds(conn.sock, [json.dumps(reply).encode()], [self.segment_fd])
+            # A descriptor of its own, opened read-only: an observer cannot map it writable.
+            view = os.open(f"/proc/self/fd/{self.segment_fd}", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                socket.send_fds(conn.sock, [json.dumps(reply).encode()], [view])
+            finally:
+                os.close(view)
         except OSError:
             pass
         self._drop(sel, conn)
@@ -546,7 +551,7 @@ _FIRST_RETRY = 0.001  # seconds before looking again for a ring that is not ther
 _LAST_RETRY = 0.05  # the longest pause between two looks
 
 
-def _reach(name: str, deadline: float | None, wait: threading.Event | None) -> socket.socket:
+def reach(name: str, deadline: float | None, wait: threading.Event | None) -> socket.socket:
     """A socket connected to the broker of ring ``name``.  With ``wait``, a ring that is not
     there yet is looked for again, less and less often, until the deadline (TimeoutError) or
     until ``wait`` is set (the caller gave up: FileNotFoundError)."""
@@ -588,9 +593,9 @@ def request(
 
     Nothing is sent before the serving process is known to run as this user (or as one of
     ``trusted_uids``): a ring served by another user could make this process unpickle
-    anything.  ``wait`` (see ``_reach``) waits for a ring that does not exist yet.
+    anything.  ``wait`` (see ``reach``) waits for a ring that does not exist yet.
     """
-    sock = _reach(name, deadline, wait)
+    sock = reach(name, deadline, wait)
     fds: list[int] = []
     try:
         writer_pid, uid = peer_credentials(sock)

@@ -60,6 +60,25 @@ def _in_event_loop(
 in_event_loop = _in_event_loop
 
 
+def call_soon(
+    fn: Callable[[], None],
+    _running: Callable[[], asyncio.AbstractEventLoop | None] = asyncio.events._get_running_loop,
+    _modules: dict[str, ModuleType] = sys.modules,
+) -> bool:
+    """Have the event loop running in this thread call ``fn`` once the current task next
+    yields to it (asyncio's ``call_soon``, trio's ``run_sync_soon``); False if this thread
+    runs no event loop."""
+    loop = _running()
+    if loop is not None:
+        loop.call_soon(fn)
+        return True
+    trio = _modules.get("trio")
+    if trio is not None and trio.lowlevel.in_trio_run():
+        trio.lowlevel.current_trio_token().run_sync_soon(fn)
+        return True
+    return False
+
+
 class End:
     """Lifecycle shared by the writer and the readers.
 

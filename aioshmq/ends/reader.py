@@ -120,11 +120,16 @@ def _connect(
 
 
 class Source(Protocol):
-    """Where a relayed stream comes from: a remote writer, whose records a mirror in this
-    process carries into the ring that a ``connect_relayed`` reader reads."""
+    """Where a relayed stream comes from: a remote writer, whose records the reader's own
+    calls carry into the private ring that a ``connect_relayed`` reader reads."""
 
     where: str  #: the far writer, for errors: "from ADDRESS (pid P on HOST)"
     pid: int  #: the far writer's pid
+    fd: int  #: readable when more may have come (the reader sleeps on it too)
+
+    def pump(self) -> float:
+        """Carry what came into the ring, without blocking; when (``time.monotonic``) to
+        call it again at the latest if ``fd`` says nothing before."""
 
     def reason(self) -> str:
         """Why the stream was cut off, once it was."""
@@ -245,6 +250,8 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
             self._pidfd = pidfd_of(self._writer_pid)
             if self._pidfd >= 0:
                 self._epoll.register(self._pidfd, select.EPOLLIN)
+            if source is not None:
+                self._epoll.register(source.fd, select.EPOLLIN)
             self._wait_fd = self._epoll.fileno()
             confirm(att, name)  # from here on the slot is this reader's
             self._ring = RingReader(self._seg, self._layout, index, self._writer_wake, name)
@@ -390,6 +397,9 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
 
     async def _wait(self) -> None:
         """Wait for a message or the writer's end (spinning, or asleep on the wait fd)."""
+        if self._source is not None:
+            await self._wait_source(self._source)
+            return
         core = self._core
         spin = self._spin_budget()
         if spin:
@@ -433,7 +443,69 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
             if token is not None:
                 self._unhold(token)
 
+    async def _wait_source(self, source: Source) -> None:
+        """``_wait`` for a relayed stream: carry what came into the ring, and sleep on the
+        wait fd (the source's among them) until more comes or the source is due again."""
+        core, ring = self._core, self._ring
+        token = None if self._armable() else self._hold(True)
+        try:
+            while True:
+                if self._closed:
+                    self._check()
+                due = source.pump()
+                if core.available() or ring.ended():
+                    return
+                if due <= time.monotonic():  # more to take at once
+                    await checkpoint()
+                    continue
+                self._drain()  # only now: nothing was wasted on a wait that is not needed
+                if self._closed:
+                    self._check()
+                if not core.prepare_sleep():
+                    return
+                try:  # the source's pump fills the ring in this thread or, rarely, its own
+                    with anyio.move_on_after(due - time.monotonic()):
+                        await self._sleep()
+                finally:
+                    if not self._closed:
+                        core.end_sleep()
+                self._check()
+        finally:
+            if token is not None:
+                self._unhold(token)
+
+    def _wait_source_sync(self, source: Source, deadline: float | None) -> None:
+        core, ring = self._core, self._ring
+        token = self._hold(False)
+        try:
+            if self._closed:
+                self._check()
+            due = source.pump()
+            if core.available() or ring.ended() or due <= time.monotonic():
+                return
+            self._wake.drain()
+            if self._closed:
+                self._check()
+            if not core.prepare_sleep():
+                return
+            try:
+                if deadline is not None and deadline <= due:
+                    self._sleep_sync(deadline)
+                else:
+                    try:
+                        self._sleep_sync(due)
+                    except TimeoutError:  # the source is due, not the caller's deadline
+                        pass
+            finally:
+                core.end_sleep()
+            self._check()
+        finally:
+            self._unhold(token)
+
     def _wait_sync(self, deadline: float | None) -> None:
+        if self._source is not None:
+            self._wait_source_sync(self._source, deadline)
+            return
         core = self._core
         token = self._hold(False)  # first: a close from another thread keeps the mapping
         try:
@@ -569,6 +641,9 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         if self._lock.held:
             raise Empty("tasks are already waiting to receive from this reader")
         obj = self._poll()
+        if obj is _EMPTY and self._source is not None:
+            self._source.pump()  # what came over the network counts as waiting now
+            obj = self._poll()
         if obj is _EMPTY:
             self._writer_gone()
             raise Empty(f"no message waiting for reader {self._index} of ring {self._name!r}")

@@ -116,7 +116,9 @@ def create(
         raise ValueError(f"notifier must be 'eventfd' or 'pipe', not {notifier!r}")
     name = check_name(name) if name is not None else f"{os.getpid()}-{secrets.token_hex(8)}"
     layout = Layout(L.align(capacity, 64), max_messages, readers)
-    writer = (cls or Writer)(
+    if cls is None:
+        cls = Writer if relay is None else ServedWriter
+    writer = cls(
         layout,
         ser,
         kind,
@@ -150,6 +152,9 @@ class RelayServer(Protocol):
 
     def remote_slot(self, index: int) -> dict[str, Any] | None:
         """None unless slot ``index`` is held by a remote reader; else what it said."""
+
+    def push(self) -> None:
+        """The writer published (called in its thread): send it on to the remote readers."""
 
 
 def _same(view: memoryview) -> memoryview:
@@ -251,6 +256,9 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
             self._free()
             raise
         self._closed = self._halt = False
+
+    def _published(self) -> None:
+        """What a reservation published goes on to remote readers (``ServedWriter``)."""
 
     def _resume(self) -> None:
         """A sync reservation's block ended: puts go on (unless the writer stopped)."""
@@ -954,6 +962,7 @@ class Reservation(Generic[V]):
                 writer._core.publish()
                 writer._messages += 1
                 writer._bytes += frame.length
+                writer._published()
             else:
                 ring.rollback_unpublished()
         finally:
@@ -1037,6 +1046,49 @@ class Reservation(Generic[V]):
             self._writer._resume()
 
 
+class ServedWriter(Writer[T]):
+    """The writer of a ring that serves remote readers (``create(listen=...)``): what a put
+    published goes on to them from this thread (``RelayServer.push``), not through the
+    server's, and before a put waits for room (their acknowledgements make it)."""
+
+    def _published(self) -> None:
+        relay = self._relay
+        if relay is not None and not self._closed:
+            relay.push()
+
+    async def put(self, obj: T) -> None:
+        try:
+            await super().put(obj)
+        finally:
+            self._published()
+
+    async def put_many(self, objs: Iterable[T]) -> None:
+        try:
+            await super().put_many(objs)
+        finally:
+            self._published()
+
+    def put_nowait(self, obj: T) -> None:
+        try:
+            super().put_nowait(obj)
+        finally:
+            self._published()
+
+    def put_sync(self, obj: T, timeout: float | None = None) -> None:
+        try:
+            super().put_sync(obj, timeout)
+        finally:
+            self._published()
+
+    async def _wait_room(self, since: float | None = None) -> None:
+        self._published()
+        await super()._wait_room(since)
+
+    def _wait_room_sync(self, deadline: float | None, since: float | None = None) -> None:
+        self._published()
+        super()._wait_room_sync(deadline, since)
+
+
 class MirrorWriter(Writer[T]):
     """The writer of a mirror's local ring: its records come whole from a remote writer's
     ring of the same capacity, copied in by the mirror's link thread, which waits for room
@@ -1078,6 +1130,7 @@ __all__ = [
     "MirrorWriter",
     "RelayServer",
     "Reservation",
+    "ServedWriter",
     "Writer",
     "WriterStatistics",
     "create",

@@ -1,4 +1,4 @@
-"""Who may talk to a remote endpoint: keys derived from the shared secret, and the ZAP check."""
+"""Who may talk to a remote endpoint: keys from the shared secret, the ZAP check, socket limits."""
 
 from __future__ import annotations
 
@@ -6,11 +6,13 @@ import hashlib
 import ipaddress
 import socket
 from dataclasses import dataclass
+from typing import Any, cast
 
 import zmq
 from zmq.utils import z85
 
 MIN_SECRET = 16  # bytes: the public keys travel in the clear, so a short secret can be guessed
+HANDSHAKE_TIMEOUT = 5.0  # s: a connection not through its handshake by then is closed
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 
 
@@ -96,6 +98,46 @@ def check_address(address: object, what: str) -> str:
     elif not address.startswith("ipc://") or len(address) <= len("ipc://"):
         raise ValueError(f"{what}={address!r}: use 'tcp://HOST:PORT' or 'ipc://PATH'")
     return address
+
+
+# Plain ints: pyzmq's flag enums cost more, on the data path, than the calls they go to.
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+_SNDMORE = int(zmq.SNDMORE)
+NOBLOCK = int(zmq.NOBLOCK)
+
+
+def readable(sock: zmq.Socket[bytes]) -> bool:
+    """Whether a message waits on the socket (its ZMQ_EVENTS, whose reading is also what
+    makes its fd signal again), asked instead of trying a receive: pyzmq's ``zmq.Again``
+    costs several times more."""
+    return bool(cast(int, sock.get(_EVENTS)) & _POLLIN)
+
+
+def send_frames(sock: zmq.Socket[bytes], frames: list[Any], copy: bool = True) -> None:
+    """``send_multipart`` without its per-frame checks and flag arithmetic on enums."""
+    last = len(frames) - 1
+    for i, frame in enumerate(frames):
+        sock.send(frame, _SNDMORE if i < last else 0, copy=copy)
+
+
+def fd_of(sock: zmq.Socket[bytes]) -> int:
+    """The fd that signals when the socket's events may have changed (an edge, see
+    ``events``)."""
+    return cast(int, sock.get(zmq.FD))
+
+
+def tune(sock: zmq.Socket[bytes], heartbeat: float, limit: int) -> None:
+    """Options of every socket that faces the network: no message above ``limit`` bytes
+    (a peer sending one is disconnected before it is held in memory), a connection not
+    through its handshake in HANDSHAKE_TIMEOUT closed, and ZeroMQ's own heartbeats, so
+    that a peer that falls silent (its host gone, its process frozen) loses its
+    connection within ``heartbeat`` seconds even while no message is due."""
+    sock.linger = 0
+    sock.maxmsgsize = limit
+    sock.handshake_ivl = int(HANDSHAKE_TIMEOUT * 1000)
+    sock.heartbeat_ivl = max(int(heartbeat * 1000 / 3), 1)
+    sock.heartbeat_timeout = sock.heartbeat_ttl = int(heartbeat * 1000)
 
 
 def secure_server(sock: zmq.Socket[bytes], keys: Keys | None) -> None:

@@ -3,22 +3,37 @@
 from __future__ import annotations
 
 import collections
+import math
 import os
 import socket
+import struct
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import zmq
+import zmq.utils.monitor
 
 from ..base.errors import CorruptedError, busy
 from ..ends.writer import MirrorWriter
 from ..ring.layout import Layout
 from . import _wire as W
-from ._auth import Keys, secure_client
+from ._auth import NOBLOCK, Keys, fd_of, readable, secure_client, tune
 
 BYE_WAIT = 1.0
-_HANDSHAKE_FAILED = (
+BATCH = 256  # messages taken from the socket per pump, before the ring gets its turn
+_HANDSHAKE_EVENTS = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_CONNECT_RETRIED
+    | zmq.EVENT_CONNECTED
+)
+
+
+_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_AUTH
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
@@ -36,11 +51,14 @@ class _Run:
 
 
 class Link:
-    """One remote reader slot: the handshake, then every record, checked, into a local ring.
+    """One remote reader slot: the handshake, then, at each ``pump``, every record that
+    arrived, checked, into a local ring, and the answers the writer needs.
 
-    What it acknowledges is only what the local ring holds (or, once the stream ended,
-    what it received): the writer's ring keeps the rest, so a dropped connection loses
-    nothing, and a full local ring holds the writer back.
+    ``pump`` never blocks: the thread that reads the local ring calls it when the ring is
+    empty and sleeps on ``fd`` between calls (a remote reader), or a thread of its own
+    does (a mirror).  What it acknowledges is only what the local ring holds (or, once
+    the stream ended, what it received): the writer's ring keeps the rest, so a dropped
+    connection loses nothing, and a full local ring holds the writer back.
     """
 
     def __init__(
@@ -56,28 +74,57 @@ class Link:
         self.heartbeat = heartbeat
         self.reason = ""  # why the stream was cut off, once it was
         self.evicted: float | None = None  # the writer's slow_reader_timeout, if it evicted us
+        self.over: str | None = None  # "end", "broken" or "cut" once the stream is over
+        self._lock = threading.Lock()  # one pump at a time: a ZeroMQ socket is one thread's
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context(io_threads=1)
         try:
             sock = self._sock = self._ctx.socket(zmq.DEALER)
-            sock.linger = 0
             sock.sndhwm = sock.rcvhwm = 0  # the writer's ring bounds what is in flight
             sock.reconnect_ivl = 100
             sock.reconnect_ivl_max = 1000
             sock.routing_id = b"r" + os.urandom(15)  # kept across reconnections
+            tune(sock, heartbeat, W.CONTROL_LIMIT)  # until the writer says how big it sends
             secure_client(sock, keys)
             self.welcome = self._handshake(keys, timeout)
+            w = self.welcome
+            self.layout = Layout(w["capacity"], w["max_messages"], 1)
+            # Connected again with the limit the ring implies: an option is read when a
+            # connection is made.  The writer sends nothing until this reader speaks again.
+            sock.maxmsgsize = W.data_limit(self.layout)
+            sock.disconnect(address)
+            sock.connect(address)
         except BaseException:
             self.close()
             raise
-        w = self.welcome
-        self.layout = Layout(w["capacity"], w["max_messages"], 1)
         self.writer_pid: int = w["pid"]
         self.writer_host: str = w["host"]
-        self._peer_heartbeat = float(w["heartbeat"])
+        self.fd = fd_of(sock)  #: readable when the socket may have news
+        self._timeout = min(heartbeat, float(w["heartbeat"]))  # the shorter side's says
+        self._beat = self._timeout / 3
+        start = (int(w["start"][0]), int(w["start"][1]))
+        self._expect = start  # the next position to arrive
+        self._held = start  # what the local ring holds (or, at the end, what arrived)
+        self._said = start  # the last acknowledgement sent
+        self._ack_bytes = max(self.layout.capacity // 4, 1)
+        self._ack_messages = max(self.layout.max_messages // 4, 1)
+        self._pending: collections.deque[_Run] = collections.deque()
+        self._ended: bool | None = None  # once the end arrived: True if cut off upstream
+        self._cut: str | None = None  # the writer sent something impossible, or fell silent
+        now = time.monotonic()
+        self._heard = self._pumped = now
+        self._spoke = -math.inf  # when this side last sent anything
+        self._resumed = -math.inf
+        self._say(W.PING, start, now)  # go ahead, on this connection
+
+    # -- the handshake -----------------------------------------------------------------------
 
     def _handshake(self, keys: Keys | None, timeout: float | None) -> dict[str, Any]:
+        """HELLO until WELCOME (or a refusal).  A connection that fails or is cut during
+        the handshake is retried until ``timeout``; only a completed refusal by the writer's
+        authentication says the secret differs."""
         sock = self._sock
-        monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
+        monitor = sock.get_monitor_socket(_HANDSHAKE_EVENTS)
+        attempts = connected = failed = dropped = 0
         try:
             sock.connect(self.address)
             hello = {
@@ -95,12 +142,19 @@ class Link:
                 left = None if deadline is None else max(deadline - time.monotonic(), 0)
                 events = dict(poller.poll(None if left is None else int(left * 1000)))
                 if monitor in events:
-                    monitor.recv_multipart()
-                    raise PermissionError(
-                        f"the handshake with {self.address} failed: its secret differs from "
-                        "this reader's (or it is not an aioshmq writer)"
-                        + ("" if keys is not None else ", or it needs a secret")
-                    )
+                    event = zmq.utils.monitor.parse_monitor_message(monitor.recv_multipart())
+                    kind = event["event"]
+                    if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                        raise PermissionError(
+                            f"the writer at {self.address} refused this reader: its secret "
+                            "differs from this reader's"
+                        )
+                    # Else a connection was refused, or cut during its handshake: again.
+                    attempts += kind == zmq.EVENT_CONNECT_RETRIED
+                    connected += kind == zmq.EVENT_CONNECTED
+                    dropped += kind == zmq.EVENT_DISCONNECTED
+                    failed += kind & _FAILED != 0
+                    continue
                 if sock in events:
                     body = sock.recv()
                     if body[:1] == W.WELCOME:
@@ -109,136 +163,212 @@ class Link:
                         _raise_refusal(W.unpack_json(body))
                     continue
                 if left == 0:
+                    cut_short = failed or dropped  # a failed handshake may drop too
                     raise TimeoutError(
-                        f"no answer from {self.address} within {timeout} s: nothing listens "
-                        "there, or the network drops the traffic"
+                        self._unreached(timeout, keys, attempts, connected, cut_short)
                     )
         finally:
             sock.disable_monitor()
             monitor.close(linger=0)
 
-    def run(self, writer: MirrorWriter[Any], stop_fd: int) -> str | None:
-        """Receive into ``writer`` (a ring of the writer's capacity) until the stream ends
-        (None), ``stop_fd`` is readable ("stopped") or the stream is cut off (why)."""
-        sock = self._sock
-        timeout = min(self.heartbeat, self._peer_heartbeat)  # the shorter side's says
-        beat = timeout / 3
-        start = tuple(self.welcome["start"])
-        expect: tuple[int, int] = (start[0], start[1])
-        acked = shown = expect
-        pending: collections.deque[_Run] = collections.deque()
-        ended: bool | None = None  # once the end arrived: True if it was cut off upstream
-        cut: str | None = None  # the writer sent something impossible: what arrived, then stop
-        now = heard = sent = time.monotonic()
-        resumed = 0.0
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(stop_fd, zmq.POLLIN)
-        poller.register(writer.wait_fd, zmq.POLLIN)
-        while True:
-            while pending:
-                run = pending[0]
-                run.done += writer.write_records(run.records, run.table[run.done :])
-                if run.done < len(run.table):
-                    break
-                pending.popleft()
-                if ended is None:
-                    acked = run.end
-            if acked != shown:
-                sock.send(W.ACK + W.POS.pack(*acked))
-                shown = acked
-                sent = time.monotonic()
-            if ended is not None and not pending:
-                return None if not ended else "the writer's own source was cut off"
-            if cut is not None and not pending:
-                return cut
-            sleeping = False
-            if pending:
-                if writer.prepare_sleep():
-                    sleeping = True
-                else:
-                    continue
+    def _unreached(
+        self,
+        timeout: float | None,
+        keys: Keys | None,
+        attempts: int,
+        connected: int,
+        cut_short: int,
+    ) -> str:
+        """Why a handshake did not happen in time, as far as ZeroMQ's events tell."""
+        text = f"the writer at {self.address} could not be reached within {timeout} s: "
+        if cut_short:
+            return text + (
+                f"{cut_short} handshakes were cut short (a writer with another secret, "
+                "something that is not an aioshmq writer, or a network that resets "
+                "connections does that)"
+                + ("" if keys is not None else "; a writer with a secret needs one here too")
+            )
+        if connected:
+            return text + (
+                f"{connected} connections were made and none finished its handshake "
+                "(something else listens there, or the network holds the traffic)"
+            )
+        if attempts:
+            return text + "nothing accepted a connection there"
+        return text + "nothing answered (the network may drop the traffic)"
+
+    # -- the stream --------------------------------------------------------------------------
+
+    def pump(self, writer: MirrorWriter[Any]) -> float:
+        """Take in what arrived, write what fits into ``writer``'s ring, answer the writer;
+        never blocks.  Returns the time (``time.monotonic``) by which to call it again at
+        the latest, if nothing wakes ``fd`` before: a heartbeat is due then, or the
+        writer's silence is judged.  Once the stream is over (``over``), every message
+        that fully arrived is in the ring and ``writer`` is closed: as ended, or as cut off
+        (``reason`` says why)."""
+        with self._lock:
+            if self.over is not None:
+                return math.inf
             now = time.monotonic()
-            wait = max(min(beat - (now - sent), timeout - (now - heard)), 0)
-            # Silence is judged only after a poll that saw nothing: what arrived while this
-            # thread did not run (a starved or frozen process) is read first.
-            events = dict(poller.poll(int(wait * 1000) + 1))
-            if sleeping:
-                writer.end_sleep()
-            if writer.wait_fd in events:
-                writer.drain()
-            if stop_fd in events:
-                return "stopped"
-            now = time.monotonic()
-            if sock in events and cut is None:
-                for _ in range(256):
-                    try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
+            if now - self._pumped > 2 * self._beat:
+                # Nobody listened meanwhile (this process was starved or frozen): what
+                # arrived is read first, and the writer's silence counts from now on.
+                self._heard = max(self._heard, now)
+            self._pumped = now
+            sock = self._sock
+            more = False
+            if self._cut is None:
+                for _ in range(BATCH):
+                    if not readable(sock):
                         break
-                    heard = now
-                    head = frames[0].bytes
-                    tag = head[:1]
-                    if tag == W.DATA and len(frames) == 2:
-                        try:
-                            new = _trim(head, frames[1].buffer, self.layout, expect)
-                        except CorruptedError as exc:
-                            cut = f"the writer sent a corrupted message: {exc}"
-                            poller.unregister(sock)  # nothing more is read from it
-                            break
-                        if new is None:
-                            continue  # sent again after a reconnection: already here
-                        if new.pos != expect[0]:
-                            if now - resumed > beat:  # records went missing: ask again
-                                sock.send(W.RESUME + W.POS.pack(*expect))
-                                resumed = sent = now
-                            continue
-                        pending.append(new)
-                        expect = new.end
-                    elif tag == W.BEAT:
-                        pos, _ = W.unpack_pos(head)
-                        if pos > expect[0] and now - resumed > beat:
-                            sock.send(W.RESUME + W.POS.pack(*expect))
-                            resumed = sent = now
-                    elif tag == W.END:
-                        pos, count, broken = W.END_.unpack_from(head, 1)
-                        if (pos, count) == expect and ended is None:
-                            ended = bool(broken)
-                            # Everything is here: the writer may let go (its ring is closed).
-                            acked, shown = expect, (-1, -1)  # said even if said before
-                        elif pos > expect[0] and now - resumed > beat:
-                            sock.send(W.RESUME + W.POS.pack(*expect))
-                            resumed = sent = now
-                    elif tag == W.REFUSE:
-                        refusal = W.unpack_json(head)
-                        after = refusal.get("timeout")
-                        if refusal.get("error") == "evicted" and isinstance(after, int | float):
-                            self.evicted = float(after)
-                        return f"the writer gave this reader up: {refusal.get('message')}"
-            if now - heard > timeout and cut is None and ended is None:
-                return f"no word from the writer for {timeout:g} s"
-            if now - sent >= beat:
-                sock.send(W.PING + W.POS.pack(*expect))
-                sent = now
+                    frames = sock.recv_multipart(NOBLOCK, copy=False)
+                    self._heard = now
+                    if not self._take(frames, now):
+                        break
+                else:
+                    more = True
+            self._write(writer)
+            if self._ended is not None and not self._pending:
+                self._finish(writer, "end" if not self._ended else "broken")
+                return math.inf
+            if self._cut is not None and not self._pending:
+                self._finish(writer, "cut")
+                return math.inf
+            if self._ended is None and self._cut is None:
+                if now - self._heard > self._timeout:
+                    self._cut = f"no word from the writer for {self._timeout:g} s"
+                    return now
+                held, said = self._held, self._said
+                if held[0] - said[0] >= self._ack_bytes or held[1] - said[1] >= self._ack_messages:
+                    self._say(W.ACK, held, now)
+                elif now - self._spoke >= self._beat:
+                    self._say(W.PING, held, now)  # also acknowledges
+            if more or readable(sock):
+                return now  # more to take now: the fd need not say so again
+            return min(self._spoke + self._beat, self._heard + self._timeout)
+
+    def _take(self, frames: list[zmq.Frame], now: float) -> bool:
+        """Handle one message from the writer; False to stop reading (it is cut off)."""
+        try:
+            return self._handle(frames, now)
+        except (ValueError, struct.error) as exc:
+            self._cut = f"the writer sent a malformed message: {exc}"
+            return False
+
+    def _handle(self, frames: list[zmq.Frame], now: float) -> bool:
+        head = frames[0].bytes
+        tag = head[:1]
+        if tag == W.DATA and len(frames) == 2:
+            try:
+                new = _trim(head, frames[1].buffer, self.layout, self._expect)
+            except CorruptedError as exc:
+                self._cut = f"the writer sent a corrupted message: {exc}"
+                return False
+            if new is None:  # sent again after a reconnection: already here
+                self._say(W.ACK, self._held, now)  # it may have missed ours
+            elif new.pos != self._expect[0]:
+                self._resume(now)  # records went missing: ask again
+            else:
+                self._pending.append(new)
+                self._expect = new.end
+        elif tag == W.BEAT:
+            sent, acked = W.unpack_beat(head)
+            if sent[0] > self._expect[0]:
+                self._resume(now)
+            elif acked[0] < self._held[0]:  # an acknowledgement went missing, or is due
+                self._say(W.ACK, self._held, now)
+        elif tag == W.END:
+            pos, count, broken = W.END_.unpack_from(head, 1)
+            if (pos, count) == self._expect and self._ended is None:
+                self._ended = bool(broken)
+                # Everything is here (if not yet in the ring): the writer may let go.
+                self._say(W.ACK, self._expect, now)
+            elif pos > self._expect[0]:
+                self._resume(now)
+        elif tag == W.REFUSE:
+            refusal = W.unpack_json(head)
+            after = refusal.get("timeout")
+            if refusal.get("error") == "evicted" and isinstance(after, int | float):
+                self.evicted = float(after)
+            self._cut = f"the writer gave this reader up: {refusal.get('message')}"
+            return False
+        return True
+
+    def _write(self, writer: MirrorWriter[Any]) -> None:
+        """What arrived, into the local ring, as far as it has room."""
+        pending = self._pending
+        while pending:
+            run = pending[0]
+            run.done += writer.write_records(run.records, run.table[run.done :])
+            if run.done < len(run.table):
+                return
+            pending.popleft()
+            self._held = run.end
+
+    def _resume(self, now: float) -> None:
+        if now - self._resumed > self._beat:  # once per heartbeat: the first is enough
+            self._say(W.RESUME, self._expect, now)
+            self._resumed = now
+
+    def _say(self, tag: bytes, pos: tuple[int, int], now: float) -> None:
+        """Send ``tag`` with a position; an ACK or PING acknowledges everything before it."""
+        self._sock.send(tag + W.POS.pack(*pos))
+        self._spoke = now
+        if tag != W.RESUME:
+            self._said = pos
+
+    def _finish(self, writer: MirrorWriter[Any], how: str) -> None:
+        """The stream is over and the ring holds all that arrived: close it as ``how``."""
+        self.over = how
+        if how == "end":
+            writer.close()
+            return
+        self.reason = "the writer's own source was cut off" if how == "broken" else self._cut or how
+        writer.close_cut_off()
+
+    @property
+    def beat(self) -> float:
+        """How often the writer must hear from this side (a third of the heartbeat)."""
+        return self._beat
+
+    @property
+    def pumped(self) -> float:
+        """When ``pump`` last ran (``time.monotonic``)."""
+        return self._pumped
+
+    def needs_room(self) -> bool:
+        """Whether records wait for room in the local ring (a mirror's readers lag)."""
+        return bool(self._pending)
 
     def send_meta(self, meta: dict[str, Any]) -> None:
-        """Tell the writer's owner something about this reader (before ``run``)."""
-        self._sock.send(W.pack_json(W.META, meta))
+        """Tell the writer's owner something about this reader (before the stream)."""
+        with self._lock:
+            self._sock.send(W.pack_json(W.META, meta))
 
     def say_bye(self) -> None:
         """Give the slot up and wait (briefly) for the writer to have taken it back."""
-        try:
-            self._sock.send(W.BYE, zmq.NOBLOCK)
-            if self._sock.poll(int(BYE_WAIT * 1000)):
-                self._sock.recv(zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
+        with self._lock:
+            if self.over == "end":
+                return  # the writer let go when it had the last acknowledgement
+            try:
+                # What it holds is acknowledged first: the slot's next holder starts after it.
+                self._sock.send(W.ACK + W.POS.pack(*self._held), zmq.NOBLOCK)
+                self._sock.send(W.BYE, zmq.NOBLOCK)
+                deadline = time.monotonic() + BYE_WAIT
+                while (left := deadline - time.monotonic()) > 0:
+                    if not self._sock.poll(int(left * 1000) + 1):
+                        break
+                    if self._sock.recv(zmq.NOBLOCK)[:1] == W.BYE_OK:
+                        break
+            except zmq.ZMQError:
+                pass
 
     def close(self) -> None:
-        sock = getattr(self, "_sock", None)
-        if sock is not None:
-            sock.close(linger=0)
-        self._ctx.term()
+        with self._lock:
+            sock = getattr(self, "_sock", None)
+            if sock is not None:
+                sock.close(linger=0)
+            self._ctx.term()
 
 
 def _trim(head: bytes, records: memoryview, layout: Layout, expect: tuple[int, int]) -> _Run | None:
@@ -268,6 +398,7 @@ def _check_welcome(w: dict[str, Any]) -> dict[str, Any]:
             and isinstance(w["pid"], int)
             and isinstance(w["host"], str)
             and isinstance(w["heartbeat"], int | float)
+            and 0.05 <= w["heartbeat"] <= 3600
             and len(w["start"]) == 2
             and all(isinstance(x, int) and x >= 0 for x in w["start"])
         )

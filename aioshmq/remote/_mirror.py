@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import os
 import secrets
+import select
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -60,6 +63,10 @@ class Mirror:
         self._stop_r = self._stop_w = -1
         self._link: Link | None = None
         self._writer: MirrorWriter[Any] | None = None
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._running = False
+        self._closed = False
         check_address(address, "address")
         if isinstance(reader, bool) or not isinstance(reader, int):
             raise TypeError(f"reader must be an int, not {type(reader).__name__}")
@@ -96,9 +103,6 @@ class Mirror:
         except BaseException:
             self.close()
             raise
-        self._lock = threading.Lock()
-        self._done = threading.Event()
-        self._running = False
 
     @property
     def address(self) -> str:
@@ -135,10 +139,10 @@ class Mirror:
         return self._link
 
     def run(self) -> None:
-        """Carry the stream until it ends, the mirror is closed, or it is cut off (PeerDied,
-        after the local readers had every message that fully arrived)."""
+        """Carry the stream until it ends, the mirror is stopped or closed, or it is cut off
+        (PeerDied, after the local readers had every message that fully arrived)."""
         link, writer = self._link, self._writer
-        if link is None or writer is None:
+        if link is None or writer is None or self._closed:
             raise RuntimeError("this mirror is closed")
         with self._lock:
             if self._running:
@@ -146,40 +150,81 @@ class Mirror:
             self._running = True
         try:
             try:
-                why = link.run(writer, self._stop_r)
+                stopped = self._carry(link, writer)
             except BaseException as exc:  # a local reader died, say: the chain is broken
                 link.reason = f"the mirror stopped: {exc!r}"
                 writer.close_cut_off()
                 raise
-            if why == "stopped":
+            if stopped:
                 link.say_bye()
-            elif why is None:
-                writer.close()
-            else:
-                link.reason = why
-                writer.close_cut_off()
+            elif link.over != "end":
                 raise PeerDied(
-                    f"the stream from {link.address} was cut off: {why}",
+                    f"the stream from {link.address} was cut off: {link.reason}",
                     role="writer",
                     pid=link.writer_pid,
                 )
         finally:
             self._done.set()
 
+    def _carry(self, link: Link, writer: MirrorWriter[Any]) -> bool:
+        """Pump until the stream is over (False) or ``stop()`` (True)."""
+        poller = select.poll()
+        for fd in (link.fd, self._stop_r, writer.wait_fd):
+            poller.register(fd, select.POLLIN)
+        while True:
+            due = link.pump(writer)
+            if link.over is not None:
+                return False
+            sleeping = False
+            if link.needs_room():  # the local readers lag: wait for them too
+                if not writer.prepare_sleep():
+                    continue
+                sleeping = True
+            wait = max(due - time.monotonic(), 0.0)
+            try:
+                events = dict(poller.poll(math.ceil(wait * 1000)))
+            finally:
+                if sleeping:
+                    writer.end_sleep()
+            if writer.wait_fd in events:
+                writer.drain()
+            if self._stop_r in events:
+                return True
+
+    def stop(self) -> None:
+        """Ask ``run()`` to give the slot back and return (from any thread, or a signal
+        handler); ``close()`` still closes."""
+        with self._lock:
+            if self._stop_w >= 0:
+                try:
+                    os.write(self._stop_w, b"x")
+                except BlockingIOError:  # asked already
+                    pass
+
     def close(self) -> None:
-        """Stop (from any thread), give the remote slot up and close the local ring."""
-        if self._stop_w >= 0:
-            os.write(self._stop_w, b"x")
-            if self._running:
-                self._done.wait()
+        """Stop (from any thread), give the remote slot up and close the local ring; once,
+        however many threads call it."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            running = self._running
+            if self._stop_w >= 0:
+                try:
+                    os.write(self._stop_w, b"x")
+                except BlockingIOError:
+                    pass
+        if running:
+            self._done.wait()
         if self._writer is not None:
             self._writer.close(linger=0)
         if self._link is not None:
             self._link.close()
-        for fd in (self._stop_r, self._stop_w):
-            if fd >= 0:
-                os.close(fd)
-        self._stop_r = self._stop_w = -1
+        with self._lock:
+            for fd in (self._stop_r, self._stop_w):
+                if fd >= 0:
+                    os.close(fd)
+            self._stop_r = self._stop_w = -1
 
     def __enter__(self) -> Mirror:
         return self
@@ -208,8 +253,9 @@ def connect_remote(
     serializer: SerializerSpec | None,
     spin: float,
 ) -> Reader[Any]:
-    """A reader of a remote writer: a private one-slot mirror in a thread of this process,
-    and a local reader of it (so every Reader call behaves exactly as for a local ring)."""
+    """A reader of a remote writer: the reader of a private one-slot ring, which its own
+    calls fill from the connection (so every Reader call behaves exactly as for a local
+    ring)."""
     m = open_link(
         address,
         reader,
@@ -255,34 +301,62 @@ def open_link(
 
 
 def attach(m: Mirror, timeout: float | None, spin: float) -> Reader[Any]:
-    """The quick half, in the thread that will use the reader: its local reader, and the
-    mirror's thread started."""
+    """The quick half, in the thread that will use the reader: the reader of the private
+    mirror's ring, which its own calls fill (``_Direct``)."""
+    direct = _Direct(m)
     try:
-        local = connect_relayed(m.name, m.serializer, timeout, spin, _Far(m))
+        local = connect_relayed(m.name, m.serializer, timeout, spin, direct)
     except BaseException:
         m.close()
         raise
-    thread = threading.Thread(target=_run_quietly, args=(m,), name=f"aioshmq-link-{m.name}")
-    thread.daemon = True
-    thread.start()
+    direct.start()
     return local
 
 
-class _Far:
-    """The remote writer a private mirror relays, as its local reader sees it."""
+class _Direct:
+    """A remote writer, as the reader of a private mirror's ring sees it: the reader's own
+    calls carry what arrived into the ring (``pump``) and sleep on ``fd``, so a message
+    crosses no thread of this process.  A keeper thread pumps only while the reader's
+    calls do not (the application is busy elsewhere), so that acknowledgements and
+    heartbeats go on, and the writer can deliver the rest when it closes."""
 
     def __init__(self, m: Mirror) -> None:
         self._mirror = m
-        link = m.link
+        self._link = link = m.link
+        writer = m.writer
+        assert isinstance(writer, MirrorWriter)
+        self._writer: MirrorWriter[Any] = writer
+        self.fd = link.fd
         self.where = f"from {m.address} (pid {link.writer_pid} on {link.writer_host})"
         self.pid = link.writer_pid
+        self._stop = threading.Event()
+        self._keeper = threading.Thread(
+            target=self._keep, name=f"aioshmq-keeper-{m.name}", daemon=True
+        )
+
+    def start(self) -> None:
+        self._keeper.start()
+
+    def pump(self) -> float:
+        return self._link.pump(self._writer)
+
+    def _keep(self) -> None:
+        link, writer = self._link, self._writer
+        while not self._stop.wait(link.beat):
+            if link.over is not None:
+                return
+            if time.monotonic() - link.pumped >= link.beat:
+                try:
+                    link.pump(writer)
+                except Exception:  # the reader's own next pump meets it, and says it
+                    return
 
     def reason(self) -> str:
         return self._mirror.reason()
 
     def cut_off(self) -> anyio.BrokenResourceError | None:
         """ReaderEvicted if the remote writer evicted this reader; else the reader's own."""
-        link = self._mirror.link
+        link = self._link
         if link.evicted is None:
             return None
         return ReaderEvicted(
@@ -293,11 +367,9 @@ class _Far:
         )
 
     def close(self) -> None:
+        self._stop.set()
+        if self._keeper.is_alive() and self._keeper is not threading.current_thread():
+            self._keeper.join()
+        if self._link.over is None:
+            self._link.say_bye()
         self._mirror.close()
-
-
-def _run_quietly(m: Mirror) -> None:
-    try:
-        m.run()
-    except Exception:  # the local reader reports it (PeerDied after the last message)
-        pass

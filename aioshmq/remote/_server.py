@@ -1,4 +1,4 @@
-"""The writer's side of the remote path: one thread serving its reader slots over ZeroMQ."""
+"""The writer's side of the remote path: its reader slots served over ZeroMQ."""
 
 from __future__ import annotations
 
@@ -13,15 +13,27 @@ import anyio
 import zmq
 
 from ..base.errors import CorruptedError, ReaderEvicted
+from ..base.log import log
+from ..ends.end import call_soon
 from ..ends.reader import RelayReader
 from ..ring.layout import Layout
 from ..ring.ring import RingReader
 from . import _wire as W
-from ._auth import ZAP_ENDPOINT, Keys, secure_server, zap_reply
+from ._auth import (
+    NOBLOCK,
+    ZAP_ENDPOINT,
+    Keys,
+    fd_of,
+    readable,
+    secure_server,
+    send_frames,
+    tune,
+    zap_reply,
+)
+from ._guard import Guard
 
-CHUNK = 256 << 10  # bytes of records per data message, unless one record is bigger
 ATTACH_TIMEOUT = 5.0
-FINISH_POLL = 0.05
+PUSH_GAP = 50e-6  # s: puts closer together than this go out together, when the loop is next free
 
 
 @dataclass(eq=False)
@@ -38,7 +50,7 @@ class _Remote:
     heard: float
     sent_at: float
     sent: tuple[int, int]  # the furthest position sent (the cursor may be rewound below it)
-    away: bool = False  # its connection dropped: nothing is sent until it speaks again
+    away: bool = True  # nothing is sent until it speaks (after the welcome, or a drop)
     end: tuple[int, int] | None = None  # where the stream ended, once END was sent
     meta: dict[str, Any] | None = None  # what the reader said about itself (META)
 
@@ -78,21 +90,28 @@ class Server:
         self._host = socket.gethostname()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context(io_threads=1)
         self._stop_r = self._stop_w = -1
+        # The ROUTER is used by this server's thread and by the writer's (``push``), one at
+        # a time: ZeroMQ allows a socket to change threads with a full barrier between.
+        self._lock = threading.Lock()
+        self._pushed_at = 0.0
+        self._flush_due = False
         try:
             self._zap = self._ctx.socket(zmq.REP)
             self._zap.linger = 0
             self._zap.bind(ZAP_ENDPOINT)
             self._router = self._ctx.socket(zmq.ROUTER)
             router = self._router
-            router.linger = 0
             router.router_mandatory = 1
             router.router_handover = 1
             router.sndhwm = router.rcvhwm = 0  # the ring bounds what is in flight
+            tune(router, heartbeat, W.CONTROL_LIMIT)
             secure_server(router, keys)
+            self._guard = Guard(router)
             try:
                 router.bind(listen)
             except zmq.ZMQError as exc:
                 raise OSError(exc.errno, f"cannot listen on {listen!r}: {exc}") from None
+            self._router_fd = fd_of(router)
             self.address = router.get_string(zmq.LAST_ENDPOINT)
             if self.address.startswith("ipc://"):
                 os.chmod(self.address[len("ipc://") :], 0o600)
@@ -119,46 +138,39 @@ class Server:
 
     def _serve(self) -> None:
         poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
+        # The socket's own fd, not the socket: the writer's thread sends on it too (under
+        # the lock), and a ZeroMQ socket is polled only by its user.  Its readiness is an
+        # edge: its events are read under the lock before every sleep, and a send in the
+        # writer's thread that sees news makes the stop pipe readable (``push``).
+        poller.register(self._router_fd, zmq.POLLIN)
         poller.register(self._zap, zmq.POLLIN)
         poller.register(self._stop_r, zmq.POLLIN)
-        registered: set[int] = set()
+        poller.register(self._guard.monitor, zmq.POLLIN)
         while True:
-            # What arrived while this thread did not run (a starved or frozen process) is
-            # taken in before anyone's silence is judged: only the peer's own silence counts.
-            while not self._receive():
-                pass
-            now = time.monotonic()
-            timeout = self.heartbeat / 3
-            for remote in list(self._remotes.values()):
-                if now - remote.heard > remote.heartbeat:
-                    self._drop(remote, dead=True)
-                    continue
-                self._pump(remote, now)
-                if remote.rid not in self._remotes:
-                    continue
-                fd = remote.reader.wait_fd
-                if fd not in registered:
-                    poller.register(fd, zmq.POLLIN)
-                    registered.add(fd)
-                timeout = min(timeout, remote.heartbeat / 3)
-            live = {r.reader.wait_fd for r in self._remotes.values()}
-            for fd in registered - live:
-                poller.unregister(fd)
-            registered &= live
-            if self._finishing and not self._remotes:
-                return
-            events = dict(poller.poll(int(timeout * 1000) + 1))
-            for remote in self._remotes.values():
-                remote.ring.core.end_sleep()
-                if remote.reader.wait_fd in events:
-                    remote.reader.drain()
-            if self._stop_r in events:
-                os.read(self._stop_r, 64)  # finish() was called: serve until all is delivered
-            if self._zap in events:
+            with self._lock:
+                # What arrived while this thread did not run (a starved or frozen process) is
+                # taken in before anyone's silence is judged: only the peer's own silence counts.
+                while not self._receive():
+                    pass
+                now = time.monotonic()
+                timeout = self.heartbeat / 3
+                for remote in list(self._remotes.values()):
+                    if now - remote.heard > remote.heartbeat:
+                        self._drop(remote, dead=True)
+                        continue
+                    self._pump(remote, now)
+                    timeout = min(timeout, remote.heartbeat / 3)
+                if self._finishing and not self._remotes:
+                    return
+                if readable(self._router):
+                    timeout = 0.0
+            ready = dict(poller.poll(int(timeout * 1000) + (timeout > 0)))
+            if self._stop_r in ready:
+                os.read(self._stop_r, 64)  # finish(), or a push that saw news for this thread
+            if self._zap in ready:
                 self._answer_zap()
-            if self._router in events:
-                self._receive()
+            if self._guard.monitor in ready:
+                self._guard.watch()
 
     def _answer_zap(self) -> None:
         while True:
@@ -173,11 +185,13 @@ class Server:
 
     def _pump(self, remote: _Remote, now: float) -> None:
         """Send what the ring holds past what this remote reader was sent; END at the end;
-        a heartbeat when there was nothing to send for a while.  Then announce the sleep."""
+        a heartbeat when there was nothing to send for a while (under the lock)."""
         ring = remote.ring
         try:
-            while not remote.away:
-                while (run := ring.next_run(CHUNK)) is not None:
+            if remote.away and now - remote.sent_at > remote.heartbeat / 3:
+                self._beat(remote)  # it hears from the writer, and says where it is
+            if not remote.away:
+                while (run := ring.next_run(W.CHUNK)) is not None:
                     pos, count, records = run
                     head = W.DATA + W.RUN.pack(pos, count, ring.core.tail, ring.core.count)
                     # Copied out, then checked: a run the writer may have overwritten (it
@@ -193,18 +207,23 @@ class Server:
                     remote.end = (ring.core.tail, ring.core.count)
                     self._send(remote, [W.END + W.END_.pack(*remote.end, ring.broken())])
                 elif now - remote.sent_at > remote.heartbeat / 3:
-                    self._send(remote, [W.BEAT + W.POS.pack(ring.core.tail, ring.core.count)])
-                if remote.end is not None or ring.core.prepare_sleep():
-                    return
+                    self._beat(remote)
+                return
         except CorruptedError:
             self._drop(remote, dead=True)
         except ReaderEvicted as exc:
             self._refuse(remote.rid, "evicted", str(exc), timeout=exc.timeout)
             self._drop(remote, dead=False)
 
+    def _beat(self, remote: _Remote) -> None:
+        """A heartbeat: what was sent, so a reader that misses some asks again, and what
+        was acknowledged, so a reader whose acknowledgement was lost says it again."""
+        core = remote.ring.core
+        self._send(remote, [W.BEAT + W.BEAT_.pack(core.tail, core.count, *remote.acked)])
+
     def _send(self, remote: _Remote, frames: list[Any], copy: bool = True) -> None:
         try:
-            self._router.send_multipart([remote.rid, *frames], copy=copy)
+            send_frames(self._router, [remote.rid, *frames], copy)
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
@@ -219,14 +238,14 @@ class Server:
     def _receive(self) -> bool:
         """Handle what the remote readers sent, 256 messages at most; True once none is left."""
         for _ in range(256):  # then the rings get their turn again
-            try:
-                frames = self._router.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
+            if not readable(self._router):
                 return True
+            frames = self._router.recv_multipart(NOBLOCK, copy=False)
             self.requests += 1
-            if len(frames) != 2 or not frames[1]:
+            self._guard.heard(frames[0])
+            if len(frames) != 2 or not len(frames[1]):
                 continue
-            rid, body = frames
+            rid, body = frames[0].bytes, frames[1].bytes
             remote = self._remotes.get(rid)
             tag = body[:1]
             try:
@@ -237,15 +256,11 @@ class Server:
                     self._refuse(rid, "unknown", text)
                 else:
                     remote.heard = time.monotonic()
-                    if tag == W.ACK:
+                    remote.away = False  # it speaks: from what it holds, send on
+                    if tag in (W.ACK, W.PING):  # a heartbeat acknowledges too
                         self._ack(remote, *W.unpack_pos(body))
-                    elif tag == W.PING:
-                        if remote.away:
-                            remote.away = False  # back: send again from what it holds
                     elif tag == W.RESUME:
-                        remote.ring.rewind(*remote.acked)
-                        self.resends += 1
-                        remote.away = False
+                        self._resume(remote, *W.unpack_pos(body))
                     elif tag == W.META:
                         remote.meta = W.unpack_json(body)
                     elif tag == W.BYE:
@@ -321,7 +336,7 @@ class Server:
     def _welcome(self, remote: _Remote) -> None:
         remote.ring.rewind(*remote.acked)
         remote.end = None
-        remote.away = False
+        remote.away = True  # it connects again, with its limits, and then says so
         info = {
             "v": W.VERSION,
             "capacity": self.layout.capacity,
@@ -335,11 +350,24 @@ class Server:
         }
         self._send(remote, [W.pack_json(W.WELCOME, info)])
 
+    def _resume(self, remote: _Remote, pos: int, count: int) -> None:
+        """Records after (pos, count) went missing (a dropped connection): send them again,
+        from there if the reader holds that much, else from what it acknowledged."""
+        lo, lo_count = remote.acked
+        hi, hi_count = remote.sent
+        if not (lo <= pos <= hi and lo_count <= count <= hi_count):
+            pos, count = remote.acked
+        remote.ring.rewind(pos, count)
+        remote.end = None
+        self.resends += 1
+
     def _ack(self, remote: _Remote, pos: int, count: int) -> None:
         """The remote reader holds everything before (pos, count): the ring may reuse it."""
         if (pos, count) != remote.acked:
             lo, lo_count = remote.acked
             hi, hi_count = remote.sent
+            if pos < lo and count < lo_count:
+                return  # said before a reconnection, and overtaken: nothing new
             if not (lo <= pos <= hi and lo_count <= count <= hi_count):
                 raise ValueError(f"an acknowledgement of position {pos}, which was never sent")
             ring = remote.ring
@@ -374,6 +402,49 @@ class Server:
 
     # -- the writer's side -----------------------------------------------------------------
 
+    def push(self) -> None:
+        """The writer published (called in its thread): send it on to the remote readers
+        from this thread, at once if nothing went out in the last PUSH_GAP, else when its
+        event loop is next free (a burst of puts goes out together), or at once without a
+        loop.  If the server's thread holds the socket, it sends instead."""
+        if not self._remotes:
+            return
+        if self._flush_due or (
+            time.monotonic() - self._pushed_at < PUSH_GAP and call_soon(self._flush)
+        ):
+            self._flush_due = True
+            return
+        self._send_now()
+
+    def _flush(self) -> None:
+        if self._flush_due:
+            try:
+                self._send_now()
+            except Exception as exc:  # in the loop's callback: the server's thread goes on
+                log.warning("ring %r: sending to remote readers failed: %r", self.ring_name, exc)
+
+    def _send_now(self) -> None:
+        self._flush_due = False
+        if self._finishing or not self._lock.acquire(blocking=False):
+            self._wake()  # the server's thread is at it: it looks again once done
+            return
+        try:
+            now = self._pushed_at = time.monotonic()
+            for remote in list(self._remotes.values()):
+                if not remote.away:
+                    self._pump(remote, now)
+            news = readable(self._router)
+        finally:
+            self._lock.release()
+        if news:  # read by the sends above: the socket's fd may not say so again
+            self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._stop_w, b"w")
+        except (BlockingIOError, OSError):  # woken already, or closing
+            pass
+
     def remote_slot(self, index: int) -> dict[str, Any] | None:
         """None unless slot ``index`` is held by a remote reader; then what it said about
         itself (empty until its META arrives, which follows its HELLO at once)."""
@@ -388,7 +459,7 @@ class Server:
         if self._stop_w < 0:
             return
         self._finishing = True
-        os.write(self._stop_w, b"x")
+        self._wake()
         self._thread.join()
         self._close_sockets()
 
@@ -401,6 +472,9 @@ class Server:
         self._stop_r = self._stop_w = -1
 
     def _close_sockets(self) -> None:
+        guard = getattr(self, "_guard", None)
+        if guard is not None:
+            guard.close()
         for sock in (getattr(self, "_router", None), getattr(self, "_zap", None)):
             if sock is not None:
                 sock.close(linger=0)

@@ -11,12 +11,12 @@ from ..ring import format as L
 from ..ring.format import record_size
 from ..ring.layout import Layout
 
-VERSION = 1
+VERSION = 2
 
 # Reader -> writer (the first byte of each message).
 HELLO = b"H"  # + JSON: {"v", "reader", "heartbeat", "peer"}
 ACK = b"A"  # + POS: every record before this position is in the reader's hands
-PING = b"P"  # + POS: what the reader has received so far
+PING = b"P"  # + POS: the reader is there (and acknowledges as ACK does)
 RESUME = b"R"  # + POS: records went missing; send again from here
 BYE = b"B"  # the reader gives its slot up
 META = b"M"  # + JSON: what the reader tells the writer's owner (an rpc worker's reply address)
@@ -24,14 +24,17 @@ META = b"M"  # + JSON: what the reader tells the writer's owner (an rpc worker's
 WELCOME = b"W"  # + JSON: the ring's bounds and serializer, the writer's pid and host
 REFUSE = b"E"  # + JSON: {"error", "message"}
 DATA = b"D"  # + RUN: raw records, as the writer's ring holds them
-BEAT = b"P"  # + POS: what the writer has sent so far
+BEAT = b"P"  # + BEAT_: what the writer has sent so far, and what it holds acknowledged
 END = b"Z"  # + END_: the stream ended (or was cut off upstream) after this position
 BYE_OK = b"b"
 
 POS = struct.Struct("<QQ")  # ring byte position, message count
 RUN = struct.Struct("<QQQQ")  # start position and count, end position and count
+BEAT_ = struct.Struct("<QQQQ")  # sent position and count, acknowledged position and count
 END_ = struct.Struct("<QQB")  # position, count, 1 if the stream was cut off upstream
 MAX_JSON = 4096
+CONTROL_LIMIT = MAX_JSON + 64  # bytes: the largest message a writer takes from a reader
+CHUNK = 256 << 10  # bytes of records per data message, unless one record is bigger
 _HEADER = struct.Struct("<QQ")
 
 
@@ -50,6 +53,21 @@ def unpack_json(body: bytes) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise ValueError(f"malformed control message {body[:60]!r}")
     return obj
+
+
+def data_limit(layout: Layout) -> int:
+    """The largest message a reader takes from the writer of a ring of ``layout``: a data
+    message's records (a chunk, which may end with a record of the largest size) and a
+    margin for its framing."""
+    return CHUNK + layout.max_record + 4096
+
+
+def unpack_beat(body: bytes | memoryview) -> tuple[tuple[int, int], tuple[int, int]]:
+    """A heartbeat's (sent position, count) and (acknowledged position, count)."""
+    if len(body) != 1 + BEAT_.size:
+        raise ValueError(f"a heartbeat of {len(body)} bytes")
+    sent_pos, sent_count, acked_pos, acked_count = BEAT_.unpack_from(body, 1)
+    return (sent_pos, sent_count), (acked_pos, acked_count)
 
 
 def unpack_pos(body: bytes | memoryview) -> tuple[int, int]:

@@ -1,0 +1,86 @@
+"""Connections cut at random moments, acknowledgements lost with them: every message still
+arrives once, in order, and the stream never stalls for longer than two heartbeats."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import anyio
+import pytest
+from _chaos import ChaosProxy
+
+import aioshmq
+
+HEARTBEAT = 1.0
+
+
+def _stream(*, messages: int | None, seconds: float | None, every: float, seed: int) -> Any:
+    """Stream ints through a proxy that resets connections about every ``every`` s and drops
+    one acknowledgement in four (with its connection), for ``messages`` messages or
+    ``seconds``; returns the proxy's counts, what arrived and the longest gap between two
+    arrivals."""
+    w = aioshmq.create(
+        1 << 16, 32, listen="tcp://127.0.0.1:0", insecure_loopback=True, heartbeat=HEARTBEAT
+    )
+    assert w.address is not None
+    port = int(w.address.rsplit(":", 1)[1])
+    got: list[int] = []
+    gaps: list[float] = [0.0]
+    failures: list[BaseException] = []
+    with w, ChaosProxy(("127.0.0.1", port), every=every, ack_cut=0.25, seed=seed) as proxy:
+        r = aioshmq.connect(proxy.address, insecure_loopback=True, heartbeat=HEARTBEAT)
+        with r:
+
+            def consume() -> None:
+                last = time.monotonic()
+                try:
+                    while True:
+                        # A stall longer than two heartbeats fails here.
+                        msg = r.get_sync(timeout=2 * HEARTBEAT)
+                        now = time.monotonic()
+                        gaps[0] = max(gaps[0], now - last)
+                        last = now
+                        got.append(msg)
+                except anyio.EndOfStream:
+                    pass
+                except BaseException as exc:
+                    failures.append(exc)
+
+            thread = threading.Thread(target=consume)
+            thread.start()
+            try:
+                end = None if seconds is None else time.monotonic() + seconds
+                n = 0
+                while (messages is None or n < messages) and (
+                    end is None or time.monotonic() < end
+                ):
+                    w.put_sync(n, timeout=2 * HEARTBEAT)
+                    n += 1
+                w.close()  # delivers the rest, then the end
+            finally:
+                thread.join(30)
+    assert not thread.is_alive()
+    if failures:
+        raise failures[0]
+    assert got == list(range(n)), f"{len(got)} of {n} arrived, not once each in order"
+    return proxy, n, gaps[0]
+
+
+@pytest.mark.timeout(90)
+def test_connections_cut_at_random_and_after_acknowledgements_lose_and_stall_nothing() -> None:
+    proxy, _n, gap = _stream(messages=6000, seconds=None, every=0.2, seed=1)
+    assert proxy.cuts + proxy.acks_lost >= 5, (proxy.cuts, proxy.acks_lost)
+    assert proxy.acks_lost >= 1
+    assert gap < 2 * HEARTBEAT
+
+
+@pytest.mark.slow  # three minutes of streaming through hundreds of cuts
+@pytest.mark.timeout(400)
+def test_soak_hundreds_of_cuts() -> None:
+    proxy, n, gap = _stream(messages=None, seconds=180.0, every=0.3, seed=2)
+    assert proxy.cuts + proxy.acks_lost >= 300, (proxy.cuts, proxy.acks_lost)
+    assert proxy.acks_lost >= 50
+    assert gap < 2 * HEARTBEAT
+    assert n > 100_000
