@@ -282,6 +282,20 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         state = "closed" if self._closed else "open"
         return f"<aioshmq.Reader {self._name!r} reader={self._index} {state}>"
 
+    def _stays_here(self) -> str:
+        if self._source is not None:
+            return (
+                f"cannot pickle an aioshmq Reader: it reads the stream {self._source.where} "
+                "through this process.  Call aioshmq.connect(ADDRESS, reader=N, secret=...) "
+                "in the other process, with that address"
+            )
+        return (
+            f"cannot pickle an aioshmq Reader: it holds slot {self._index} of ring "
+            f"{self._name!r} in this process.  Pass the ring's handle (writer.handle, or its "
+            "name, reader.name) to the other process and call aioshmq.connect(handle, "
+            "reader=N) there, with a slot no other reader holds"
+        )
+
     @property
     def name(self) -> str:
         return self._name

@@ -285,6 +285,13 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
             f"max_messages={self._layout.max_messages} readers={self._layout.readers} {state}>"
         )
 
+    def _stays_here(self) -> str:
+        return (
+            f"cannot pickle an aioshmq Writer: it stays in the process that created ring "
+            f"{self._name!r} (a ring has one writer).  Pass writer.handle to the other process "
+            "and call aioshmq.connect(handle, reader=N) there to read the ring"
+        )
+
     # -- identity --------------------------------------------------------------------------
 
     @property
