@@ -307,6 +307,8 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         """None unless reader slot ``index`` is held by a reader on another host; then what
         that reader said about itself (an ``aioshmq.rpc`` worker says where its replies
         are), empty until it has said it."""
+        if self._forked:
+            raise self._closed_error()
         return None if self._relay is None else self._relay.remote_slot(index)
 
     @property
