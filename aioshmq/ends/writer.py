@@ -719,19 +719,41 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         return frames
 
     def put_nowait(self, obj: T) -> None:
-        """Send ``obj`` now, or raise Full (nothing written) if the ring has no room."""
+        """Send ``obj`` now, or raise Full (nothing written) if the ring has no room.
+
+        A message of more than three quarters of the ring, less 48 bytes (three fragments),
+        is refused with ValueError: it would fit only where the ring's cursor happens to
+        lie, if at all, so waiting for readers would not make room for it; ``put`` sends it
+        in fragments as they read.
+        """
         self._check()
         if self._lock.held:
-            self._frame(obj)  # an object that does not serialize says so first
+            self._nowait_fits(self._frame(obj))  # an object that does not serialize says so first
             raise Full("tasks are already waiting to put into this ring")
         frame = self._offer(obj)
         if frame is None:
             return
+        self._nowait_fits(frame)
         steps = self._steps([frame], atomic=True)
         for _ in steps:
             steps.close()
             self._check_readers()
             raise Full(f"ring {self._name!r} has no room for a message of {frame.length} bytes")
+
+    def _nowait_fits(self, frame: Frame) -> None:
+        """ValueError unless ``put_nowait`` can place ``frame`` whatever the ring's cursor,
+        once the readers have read everything: in three fragments at most.  A record never
+        wraps, so a fourth fragment fits only at some positions, and a fifth never: Full would
+        come back for ever, however long the caller waited."""
+        most = 3 * self._layout.fragment_payload
+        if frame.length > most:
+            raise ValueError(
+                f"a message of {frame.length} bytes is more than put_nowait() places in ring "
+                f"{self._name!r}: at most {most} bytes (three quarters of its capacity of "
+                f"{self._layout.capacity}, less fragment headers); a bigger one may never find "
+                "room all at once, however long it waits, so retrying cannot help: use put() or "
+                "put_sync(), which send it in fragments as readers take them"
+            )
 
     def put_sync(self, obj: T, timeout: float | None = None) -> None:
         """Blocking put for code without an event loop; TimeoutError after ``timeout`` s.
