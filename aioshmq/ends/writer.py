@@ -27,7 +27,7 @@ from ..ring.format import ATTACHED, DEAD, PENDING
 from ..ring.layout import Frame, Layout
 from ..ring.ring import RingWriter
 from ..serialize.base import Buffer, unserializable
-from ..serialize.pickling import PickleSerializer
+from ..serialize.pickling import PickleSerializer, array_nbytes
 from ..serialize.resolve import SerializerSpec, resolve
 from .broker import Broker, check_name
 from .cancel import pending_checkpoint
@@ -43,6 +43,7 @@ V = TypeVar("V")
 
 OnReaderDeath = Literal["raise", "detach"]
 _LONGEST_SLEEP = 3600.0  # s: a put waiting on a timer wakes at least this often
+_LEAST_ARRAY_HEADER = 32  # bytes: a reserved array's buffer table and pickle, at the least
 
 
 class WriterStatistics(NamedTuple):
@@ -641,6 +642,13 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         dims = (shape,) if isinstance(shape, int) else tuple(shape)
         if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in dims):
             raise ValueError(f"shape must be sizes >= 0, not {shape!r}")
+        # Refused before the serializer makes the placeholder its pickle comes from, which
+        # would take as much memory as the array.  The buffer table and the pickle take 32
+        # bytes at least: the exact bound is checked once they are made.
+        nbytes = array_nbytes(dims, dtype)
+        self._check()
+        if nbytes > self._core.max_record - L.HEADER_SIZE - _LEAST_ARRAY_HEADER:
+            raise self._too_big(nbytes, _LEAST_ARRAY_HEADER)
         main, nbytes, wrap = ser.reserved_array(dims, dtype)
         return Reservation(self, self._reserved(main, nbytes), wrap, timeout)
 
@@ -648,13 +656,18 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         self._check()
         frame = Frame.reserved(main, nbytes)
         if not self._ring.fits_whole(frame):
-            most = self._core.max_record - L.HEADER_SIZE - (frame.hole if main else 0)
-            raise ValueError(
-                f"a reserved message must fit in one record, at most {most} bytes in ring "
-                f"{self._name!r} (half its capacity of {self._layout.capacity}, less "
-                f"headers), not {nbytes}; put() sends bigger messages in fragments"
-            )
+            raise self._too_big(nbytes, frame.hole if main else 0)
         return frame
+
+    def _too_big(self, nbytes: int, header: int) -> ValueError:
+        """The error for a reserved message of ``nbytes`` that cannot fit in one record,
+        ``header`` bytes of its payload being taken before them."""
+        most = self._core.max_record - L.HEADER_SIZE - header
+        return ValueError(
+            f"a reserved message must fit in one record, at most {most} bytes in ring "
+            f"{self._name!r} (half its capacity of {self._layout.capacity}, less "
+            f"headers), not {nbytes}; put() sends bigger messages in fragments"
+        )
 
     async def put_many(self, objs: Iterable[T]) -> None:
         """Send a batch with one publish and at most one wake-up per sleeping reader.
