@@ -15,7 +15,7 @@ import anyio
 from anyio.abc import ObjectReceiveStream
 from anyio.lowlevel import checkpoint
 
-from ..base.errors import CorruptedError, Empty, PeerDied, busy
+from ..base.errors import Busy, CorruptedError, Empty, PeerDied
 from ..base.log import log
 from ..memory.segment import Segment
 from ..ring import format as L
@@ -191,7 +191,8 @@ class Lease(Generic[T]):
 
 
 class Reader(End, ObjectReceiveStream[T], Generic[T]):
-    """One reader of a ring: receives every message the writer puts, in order."""
+    """One reader of a ring, made by ``aioshmq.connect``: receives every message the writer
+    puts, in order."""
 
     __slots__ = ("_deferred", "_loads_plain", "_pending")  # read by every get
 
@@ -678,7 +679,7 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         if in_event_loop():
             self._refuse_in_loop("get_sync", "reader.get()")
         if self._lock.held:
-            raise busy("an async get is under way on this reader")
+            raise Busy("an async get is under way on this reader")
         if not self._pending and self._deferred is None:
             obj = self._get_plain()
             if obj is not _EMPTY:

@@ -18,7 +18,7 @@ import anyio
 from anyio import to_thread
 from anyio.abc import ObjectSendStream
 
-from ..base.errors import Full, PeerDied, UndeliveredWarning, busy
+from ..base.errors import Busy, Full, PeerDied, UndeliveredWarning
 from ..base.log import log
 from ..memory.notify import Notifier, NotifierKind, default_kind
 from ..memory.segment import Segment
@@ -183,7 +183,8 @@ def _linger(value: object) -> float:
 
 
 class Writer(End, ObjectSendStream[T], Generic[T]):
-    """The writing end of a ring: every attached reader receives every message, in order."""
+    """The writing end of a ring, made by ``aioshmq.create``: every attached reader receives
+    every message, in order."""
 
     __slots__ = ("_dumps", "_halt", "_pickles", "_ser", "_torch")  # read by every put
 
@@ -270,7 +271,7 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
     def _check(self) -> None:
         super()._check()
         if self._reserving:
-            raise busy("a reservation (writer.reserve) is open on this writer: end its block first")
+            raise Busy("a reservation (writer.reserve) is open on this writer: end its block first")
         failure = self._broker.failure
         if failure is not None:
             raise anyio.BrokenResourceError(
@@ -779,7 +780,7 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         if in_event_loop():
             self._refuse_in_loop("put_sync", "writer.put(obj)")
         if self._lock.held:
-            raise busy("an async put or wait_readers is under way on this writer")
+            raise Busy("an async put or wait_readers is under way on this writer")
         if (frame := self._offer(obj)) is None:
             return
         deadline = deadline_of(timeout)
@@ -1051,7 +1052,7 @@ class Reservation(Generic[V]):
         writer._check()
         writer._refuse_in_loop("reserve", "writer.reserve(...) with 'async with'")
         if writer._lock.locked():
-            raise busy("an async put or wait_readers is under way on this writer")
+            raise Busy("an async put or wait_readers is under way on this writer")
         deadline = deadline_of(self._timeout)
         self._token = writer._hold(False)
         try:

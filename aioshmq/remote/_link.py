@@ -11,7 +11,7 @@ from typing import Any
 
 import zmq
 
-from ..base.errors import CorruptedError, busy
+from ..base.errors import Busy, CorruptedError
 from ..ends.writer import MirrorWriter
 from ..ring.layout import Layout
 from . import _wire as W
@@ -282,7 +282,7 @@ def _raise_refusal(refusal: dict[str, Any]) -> None:
     text = str(refusal.get("message", "refused"))
     code = refusal.get("error")
     if code == "busy":
-        raise busy(text)
+        raise Busy(text)
     if code == "range":
         raise ValueError(text)
     if code == "gone":

@@ -128,8 +128,8 @@ class Mirror:
         return self._serializer
 
     @property
-    def link(self) -> Link:
-        """The connection to the remote writer."""
+    def _live_link(self) -> Link:
+        """The connection to the remote writer (an internal object)."""
         if self._link is None:
             raise RuntimeError("this mirror is closed")
         return self._link
@@ -247,7 +247,7 @@ def open_link(
     )
     if meta is not None:
         try:
-            m.link.send_meta(meta(m.link.welcome))
+            m._live_link.send_meta(meta(m._live_link.welcome))
         except BaseException:
             m.close()
             raise
@@ -273,7 +273,7 @@ class _Far:
 
     def __init__(self, m: Mirror) -> None:
         self._mirror = m
-        link = m.link
+        link = m._live_link
         self.where = f"from {m.address} (pid {link.writer_pid} on {link.writer_host})"
         self.pid = link.writer_pid
 
@@ -282,7 +282,7 @@ class _Far:
 
     def cut_off(self) -> anyio.BrokenResourceError | None:
         """ReaderEvicted if the remote writer evicted this reader; else the reader's own."""
-        link = self._mirror.link
+        link = self._mirror._live_link
         if link.evicted is None:
             return None
         return ReaderEvicted(
