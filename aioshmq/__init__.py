@@ -3,6 +3,7 @@
 from . import remote, rpc
 from .api.open import aconnect, connect, create
 from .base.errors import (
+    Busy,
     CorruptedError,
     Empty,
     Full,
@@ -22,6 +23,7 @@ from .serialize.pickling import CloudpickleSerializer, PickleSerializer, Reducer
 __all__ = [
     "CORE",
     "BufferSerializer",
+    "Busy",
     "CloudpickleSerializer",
     "CorruptedError",
     "Empty",

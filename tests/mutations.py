@@ -263,8 +263,8 @@ MUTATIONS = [
     Mutation(
         "drop_reader never drops a live reader",
         "aioshmq/ring/ring.py",
-        "            if self.gate.state(index) == F.ATTACHED:\n                raise busy(",
-        "            if False:\n                raise busy(",
+        "            if self.gate.state(index) == F.ATTACHED:\n                raise Busy(",
+        "            if False:\n                raise Busy(",
         "tests/test_broker.py::test_drop_reader",
     ),
     Mutation(

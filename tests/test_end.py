@@ -4,6 +4,7 @@ interrupts in blocking calls, and the async API used where no event loop runs.""
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import os
 import signal
 import threading
@@ -478,3 +479,76 @@ def test_a_close_never_signals_an_fd_a_leaving_call_let_go() -> None:
         thread.join(30)
         assert got and (got[0] == "x" or isinstance(got[0], anyio.ClosedResourceError)), got
         assert r._released
+
+
+# Every public call of each end, as a child that inherited the end through fork makes it.
+# Async ones run in an event loop of the child's own; a context manager is entered too.
+_INHERITED_CALLS: dict[str, dict[str, Callable[[Any], Any]]] = {
+    "Writer": {
+        "put": lambda w: anyio.run(w.put, 1),
+        "send": lambda w: anyio.run(w.send, 1),
+        "put_many": lambda w: anyio.run(w.put_many, [1, 2]),
+        "put_nowait": lambda w: w.put_nowait(1),
+        "put_sync": lambda w: w.put_sync(1, timeout=5),
+        "reserve": lambda w: w.reserve(8).__enter__(),
+        "reserve_array": lambda w: w.reserve_array(4, "int64").__enter__(),
+        "wait_readers": lambda w: anyio.run(w.wait_readers),
+        "wait_readers_sync": lambda w: w.wait_readers_sync(timeout=5),
+        "drop_reader": lambda w: w.drop_reader(0),
+        "remote_reader": lambda w: w.remote_reader(0),
+        "statistics": lambda w: w.statistics(),
+    },
+    "Reader": {
+        "get": lambda r: anyio.run(r.get),
+        "receive": lambda r: anyio.run(r.receive),
+        "__anext__": lambda r: anyio.run(r.__anext__),
+        "get_many": lambda r: anyio.run(r.get_many),
+        "get_nowait": lambda r: r.get_nowait(),
+        "get_sync": lambda r: r.get_sync(timeout=5),
+        "lease": lambda r: anyio.run(r.lease().__aenter__),
+        "statistics": lambda r: r.statistics(),
+    },
+}
+# What a child may do with an inherited end: close it (as leaving a `with` block does), look
+# at what it names, and ask anyio's typed attributes (it has none).
+_HARMLESS = {"close", "aclose", "name", "handle", "address", "index", "extra", "extra_attributes"}
+
+
+def _use_inherited(ends: dict[str, Any], queue: Any) -> None:
+    outcomes = {}
+    for role, calls in _INHERITED_CALLS.items():
+        for method, call in calls.items():
+            try:
+                call(ends[role])
+                outcomes[f"{role}.{method}"] = "no error"
+            except BaseException as exc:
+                outcomes[f"{role}.{method}"] = f"{type(exc).__name__}: {exc}"
+        ends[role].close()
+    queue.put(outcomes)
+
+
+@pytest.mark.timeout(60)
+def test_every_call_of_an_end_inherited_through_fork_says_to_pass_the_handle() -> None:
+    """Writer and reader alike, whatever the call: the same error, naming the fix."""
+    for role, cls in (("Writer", aioshmq.Writer), ("Reader", aioshmq.Reader)):
+        public = {name for name in dir(cls) if not name.startswith("_")} - _HARMLESS
+        assert public <= set(_INHERITED_CALLS[role]), f"{role} calls not tried: {public}"
+    ctx = multiprocessing.get_context("fork")
+    with aioshmq.create(capacity=1 << 16) as w, aioshmq.connect(w.name) as r:
+        queue = ctx.Queue()
+        child = ctx.Process(target=_use_inherited, args=({"Writer": w, "Reader": r}, queue))
+        child.start()
+        try:
+            outcomes = queue.get(timeout=30)
+        finally:
+            child.join(30)
+        assert child.exitcode == 0
+        w.put_nowait("the parent's ends are untouched")
+        assert r.get_nowait() == "the parent's ends are untouched"
+    for call, outcome in outcomes.items():
+        role = call.split(".")[0].lower()
+        assert outcome.startswith(
+            f"ClosedResourceError: this aioshmq {role} was inherited through fork from process "
+            f"{os.getpid()}"
+        ), (call, outcome)
+        assert "pass the ring's handle" in outcome and "aioshmq.connect()" in outcome, outcome

@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import pickle
 import threading
+import tracemalloc
 from typing import Any
 
 import anyio
@@ -216,6 +217,50 @@ async def test_too_big_for_one_record_is_refused_and_loses_nothing() -> None:
             w.reserve_array((10_000,), np.float64)
         await w.put("next")
         assert await r.get() == "next"
+
+
+@pytest.mark.parametrize("shape", [(1 << 40,), (1 << 28,), (1 << 21, 1 << 21, 1 << 21)])
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_reserve_array_refuses_a_huge_shape_before_making_anything(
+    kind: str, shape: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """8 TiB (or 2 GiB, or more than a 64-bit size) for a 64 KiB ring: reserve()'s ValueError,
+    before the serializer makes the placeholder array it pickles, which would take as much
+    memory as the array would."""
+    if kind == "torch":
+        torch = pytest.importorskip("torch")
+        dtype: Any = torch.int64
+    else:
+        dtype = np.int64
+    from aioshmq.serialize import tensors
+    from aioshmq.serialize.pickling import PickleSerializer
+
+    made: list[tuple[int, ...]] = []
+    placeholder, array_header = tensors.placeholder, PickleSerializer.array_header
+    monkeypatch.setattr(tensors, "placeholder", lambda d, s: made.append(s) or placeholder(d, s))
+    monkeypatch.setattr(
+        PickleSerializer,
+        "array_header",
+        lambda self, d, s: made.append(s) or array_header(self, d, s),
+    )
+    nbytes = 8
+    for n in shape:
+        nbytes *= n
+    with aioshmq.create(capacity=1 << 16) as w, aioshmq.connect(w.name) as r:
+        tracemalloc.start()
+        try:
+            refused = rf"one record, at most \d+ bytes .* not {nbytes};"
+            with pytest.raises(ValueError, match=refused):
+                w.reserve_array(shape, dtype)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert made == []
+        assert peak < 1 << 20
+        with w.reserve_array((4,), dtype) as arr:  # the writer goes on
+            arr[:] = 7
+        assert r.get_nowait().tolist() == [7, 7, 7, 7]
+        assert made == [(4,)]
 
 
 @pytest.mark.parametrize(

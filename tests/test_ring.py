@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 
 import anyio
 import numpy as np
@@ -375,3 +376,54 @@ def test_scribbled_fragment_length_is_refused() -> None:
         _scribble(w, 0, (100 << 8) | L.FIRST)  # a first fragment is always a full one
         with pytest.raises(aioshmq.CorruptedError, match="fragments carry"):
             r.get_nowait()
+
+
+def _at_offset(w: aioshmq.Writer[bytes], r: aioshmq.Reader[bytes], offset: int) -> None:
+    """Move the ring's cursor to ``offset`` (a multiple of 16) with records every reader read."""
+    while offset:
+        size = min(offset, 2048)  # a whole record: at most half the ring
+        if 0 < offset - size < L.HEADER_SIZE:
+            size -= 32
+        w.put_nowait(b"p" * (size - L.HEADER_SIZE))
+        r.get_nowait()
+        offset -= size
+
+
+@pytest.mark.parametrize("serializer", ["raw", "pickle"])
+def test_put_nowait_refuses_what_it_could_never_place(serializer: str) -> None:
+    """A message larger than three fragments is a ValueError naming the limit, not a Full that
+    a retry loop would retry for ever: a fourth fragment fits only at some positions of the
+    cursor (not at 1040 in a 4096-byte ring), a fifth never.  Nothing is written, and the
+    writer goes on; put sends it."""
+    most = 3 * (4096 // 4 - L.HEADER_SIZE)
+    big = b"b" * (most + 1 if serializer == "raw" else most)  # pickling adds a few bytes
+    with aioshmq.create(capacity=4096, serializer=serializer) as w:
+        with aioshmq.connect(w.name, spin=0) as r:
+            _at_offset(w, r, 1040)
+            put = w.statistics().messages_put
+            for _ in range(2):  # a retry gets the same answer
+                with pytest.raises(ValueError, match=rf"at most {most} bytes.*use put\(\)"):
+                    w.put_nowait(big)
+            with pytest.raises(ValueError, match="put_nowait"):
+                w.put_nowait(b"f" * 5000)  # five fragments
+            assert w.statistics().messages_put == put
+            with pytest.raises(aioshmq.Empty):
+                r.get_nowait()
+            w.put_nowait(b"next")
+            assert r.get_nowait() == b"next"
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                got = pool.submit(r.get_sync, 10)
+                w.put_sync(big, timeout=10)
+                assert got.result(10) == big
+
+
+def test_put_nowait_places_three_fragments_wherever_the_cursor_lies() -> None:
+    """The limit is exact: a message of three full fragments fits from every position of
+    the cursor once the readers have read everything."""
+    most = 3 * (4096 // 4 - L.HEADER_SIZE)
+    for offset in range(0, 4096, 16):
+        with aioshmq.create(capacity=4096, serializer="raw") as w:
+            with aioshmq.connect(w.name, spin=0) as r:
+                _at_offset(w, r, offset)
+                w.put_nowait(b"m" * most)
+                assert r.get_nowait() == b"m" * most, offset

@@ -2,20 +2,32 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import mmap
 import os
+import re
 import secrets
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
 
 import aioshmq
-from aioshmq.cli.stat import format_view, observe, request_view, ring_names
+from aioshmq.cli.stat import (
+    RING_STATES,
+    SLOT_STATES,
+    format_view,
+    observe,
+    request_view,
+    ring_names,
+)
+from aioshmq.ring import format as L
 from aioshmq.ring.layout import Layout
 
 pytestmark = pytest.mark.anyio
@@ -110,7 +122,7 @@ def test_ls_and_stat_commands() -> None:
         w.drop_reader(1)
         w.put_sync({"a": 1})
         ls = _cli("ls")
-        assert ls.returncode == 0, ls.stderr
+        assert ls.returncode == (1 if "damaged" in ls.stdout else 0), ls.stderr  # anyone's
         (line,) = [line for line in ls.stdout.splitlines() if line.startswith(w.name)]
         assert line.split()[1:4] == [str(os.getpid()), "open", "0/2"]
         listed = [json.loads(line) for line in _cli("ls", "--json").stdout.splitlines()]
@@ -147,3 +159,85 @@ def test_this_process_rings_are_listed() -> None:
         w.drop_reader(0)
         assert w.name in ring_names()
     assert w.name not in ring_names()
+
+
+# Scribbles on a ring's memory (word index in the segment's u64 view, value), and what the
+# view says is wrong.
+SCRIBBLES = {
+    "magic": (L.OFF_MAGIC // 8, int.from_bytes(b"NOTARING", "little"), "bad magic 0x"),
+    "version": (L.OFF_MAGIC // 8 + 1, 99, "ring format version 99"),
+    "capacity": (L.OFF_MAGIC // 8 + 2, 12345, "inconsistent header: capacity=12345"),
+    "closed": (L.writer_word_index(L.W_CLOSED), 7, "its end-of-stream word holds 7"),
+}
+
+
+@contextlib.contextmanager
+def _scribbled(w: aioshmq.Writer[Any], what: str) -> Iterator[str]:
+    """Ring ``w`` scribbled on as SCRIBBLES says, for the block (the words are restored after
+    it); yields what the view is to say is wrong."""
+    word, value, problem = SCRIBBLES[what]
+    words = w._seg.words
+    kept, words[word] = words[word], value
+    try:
+        yield problem
+    finally:
+        words[word] = kept
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("what", sorted(SCRIBBLES))
+def test_ls_lists_every_ring_and_marks_a_damaged_one(what: str) -> None:
+    with aioshmq.create(capacity=1 << 16, name=_name()) as healthy:
+        with aioshmq.create(capacity=1 << 16, name=_name()) as damaged:
+            healthy.drop_reader(0)
+            damaged.drop_reader(0)
+            with _scribbled(damaged, what) as problem:
+                ls = _cli("ls")
+                listed = [json.loads(line) for line in _cli("ls", "--json").stdout.splitlines()]
+    assert ls.returncode == 1 and ls.stderr == "", ls.stderr  # no traceback, no log line
+    lines = {line.split()[0]: line for line in ls.stdout.splitlines()[1:]}
+    assert lines[healthy.name].split()[1:4] == [str(os.getpid()), "open", "0/1"]
+    assert lines[damaged.name].split()[1:3] == [str(os.getpid()), "damaged"]
+    assert problem in lines[damaged.name]
+    by_name = {view["name"]: view for view in listed}
+    assert by_name[healthy.name]["state"] == "open"
+    assert by_name[damaged.name]["state"] == "damaged"
+    assert problem in by_name[damaged.name]["problem"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("what", sorted(SCRIBBLES))
+def test_stat_of_a_damaged_ring_says_what_is_wrong_in_one_line(what: str) -> None:
+    with aioshmq.create(capacity=1 << 16, name=_name()) as w:
+        w.drop_reader(0)
+        with _scribbled(w, what) as problem:
+            stat = _cli("stat", w.name)
+            watched = _cli("stat", w.name, "--watch", "0.01", "--count", "2")
+        assert _cli("stat", w.name).returncode == 0  # restored, it is a ring again
+    for run in (stat, watched):
+        assert run.returncode == 1 and run.stdout == ""
+        (line,) = run.stderr.splitlines()
+        assert line.startswith(f"aioshmq stat: ring {w.name!r} (writer pid {os.getpid()})")
+        assert f"is damaged: {problem}" in line, line
+
+
+def _help(command: str) -> str:
+    return " ".join(_cli(command, "--help").stdout.split())  # argparse's wrapping undone
+
+
+def test_every_state_stat_can_show_is_explained_in_its_help_and_the_docs() -> None:
+    from aioshmq.cli import stat
+
+    # Every state a view can hold: each letter the writer sends (or none, or another one)
+    # and each value of the end-of-stream word (any other is a damaged ring).
+    assert set(stat._BY_LETTER.values()) | {"unknown"} == set(SLOT_STATES)
+    assert set(stat._CLOSED.values()) == set(RING_STATES)
+    help_text = _help("stat")
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text()
+    for states in (RING_STATES, SLOT_STATES):
+        for state, meaning in states.items():
+            assert f"{state}: {meaning}" in help_text, state
+            assert re.search(rf"^- `{re.escape(state)}`: \S", docs, re.MULTILINE), state
+    assert re.search(r"^- `damaged` \(`ls` only\): \S", docs, re.MULTILINE)
+    ls_help = _help("ls")
+    assert "'damaged' and what is wrong" in ls_help and "1 if any ring listed is damaged" in ls_help

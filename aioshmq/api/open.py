@@ -129,7 +129,9 @@ def connect(
     one).  ``timeout`` bounds the wait for the writer to answer.  ``spin`` is how long (in
     seconds) an async get may keep yielding to the event loop and looking at the ring before
     it goes to sleep: a message that arrives meanwhile needs no wake-up.  0 sleeps at once.
-    The reader spins only while spinning catches messages (see ``_spin.Spin``).
+    The reader spins only while spinning catches messages: a spin that runs out halves
+    its budget and one that catches a message lets it grow back, so where the writer needs
+    the CPU the reader spins on, it soon sleeps at once (and now and then tries again).
     A ring served by a process of another user is refused (its messages could run code in
     this process) unless that user's uid is in ``trusted_uids``.  A connect that fails
     leaves the slot exactly as it was.  ``wait=True`` waits, up to ``timeout``, for a ring

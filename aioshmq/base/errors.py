@@ -9,6 +9,7 @@ import anyio
 from .log import log
 
 __all__ = [
+    "Busy",
     "CorruptedError",
     "Empty",
     "Full",
@@ -16,7 +17,6 @@ __all__ = [
     "ReaderEvicted",
     "SerializationError",
     "UndeliveredWarning",
-    "busy",
 ]
 
 
@@ -93,16 +93,14 @@ class UndeliveredWarning(UserWarning):
     """A writer closed while messages waited for reader slots that no reader ever attached."""
 
 
-class _Busy(anyio.BusyResourceError):
-    # anyio's class words its argument as an action ("Another task is already <action> this
-    # resource"); ours are whole sentences.
+class Busy(anyio.BusyResourceError):
+    """What this call needs is held: a reader slot by a live reader, an end by its async call
+    under way or by an open reservation.  An ``anyio.BusyResourceError``, worded whole."""
+
     def __init__(self, message: str) -> None:
+        # anyio's class words its argument as an action ("Another task is already <action>
+        # this resource"); ours are whole sentences.
         Exception.__init__(self, message)
 
     def __str__(self) -> str:
         return str(self.args[0])
-
-
-def busy(message: str) -> anyio.BusyResourceError:
-    """An ``anyio.BusyResourceError`` whose text is ``message`` as written."""
-    return _Busy(message)

@@ -8,6 +8,7 @@ import mmap
 import os
 import socket
 import sys
+import textwrap
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -16,9 +17,50 @@ from ..ends.broker import OBSERVE, check_name, peer_credentials, reach
 from ..ring import format as L
 from ..ring.layout import Layout
 
-_STATES = {"p": "pending", "a": "attached", "d": "detached", "x": "dead", "e": "evicted"}
+RING_STATES = {
+    "open": "its writer puts messages",
+    "closed": "its writer closed it: readers get every message put, then the end of the stream",
+    "closed (source lost)": (
+        "the writer of a mirror lost the remote writer it copies: readers get every message "
+        "that fully arrived, then PeerDied"
+    ),
+}
+SLOT_STATES = {
+    "pending": (
+        "no reader has attached yet: the writer keeps every message for the reader to come, "
+        "waiting for it when the ring is full (closing the writer loses them)"
+    ),
+    "attached": "a live reader holds it: the writer waits for it when the ring is full",
+    "detached": (
+        "its reader closed, or the writer dropped the slot (drop_reader): not waited for; "
+        "a reader that attaches starts with the next message put"
+    ),
+    "dead": (
+        "its reader's process ended without closing it: a put that must wait for it raises "
+        "PeerDied until drop_reader() lets it go (with on_reader_death='detach' such a slot "
+        "is detached at once)"
+    ),
+    "evicted": (
+        "its live reader was evicted for not advancing (slow_reader_timeout): not waited "
+        "for; the slot is free again once that reader closes"
+    ),
+    "unknown": "its writer did not say (an aioshmq of another version)",
+}
+_BY_LETTER = {"p": "pending", "a": "attached", "d": "detached", "x": "dead", "e": "evicted"}
 _CLOSED = {0: "open", L.CLOSED_END: "closed", L.CLOSED_BROKEN: "closed (source lost)"}
 _ACCEPTING = 0x10000  # __SO_ACCEPTCON in /proc/net/unix: a listening socket
+_WIDTH = 78  # columns of the help texts written out here
+
+
+class DamagedRing(Exception):
+    """A live ring whose memory holds what no writer writes (a scribbled header, say):
+    what ``observe`` raises instead of a view, without logging it as corruption."""
+
+    def __init__(self, name: str, writer_pid: int, problem: str) -> None:
+        super().__init__(f"ring {name!r} (writer pid {writer_pid}) is damaged: {problem}")
+        self.name = name
+        self.writer_pid = writer_pid  #: of the process that serves it
+        self.problem = problem
 
 
 @dataclass(frozen=True)
@@ -26,7 +68,7 @@ class SlotView:
     """One reader slot as the writer sees it."""
 
     index: int
-    state: str  #: pending (never attached), attached, detached, dead, evicted
+    state: str  #: one of SLOT_STATES
     pid: int  #: of its reader (of the dead one, for a dead slot); 0 if none
     peer: str  #: the remote reader a relay serves, if any
     messages_behind: int  #: published and not yet read by it
@@ -41,7 +83,7 @@ class RingView:
     name: str
     writer_pid: int
     serializer: str
-    state: str  #: open, closed, closed (source lost)
+    state: str  #: one of RING_STATES
     capacity: int
     max_messages: int
     messages_put: int  #: published since the ring was made
@@ -54,8 +96,9 @@ class RingView:
 
 def observe(name: str, timeout: float = 5.0) -> RingView:
     """A snapshot of ring ``name``: its counters from its memory, mapped read-only, and its
-    slots' states from its writer.  Rings of other users are refused, as ``connect`` does."""
-    reply, fd = request_view(name, timeout)
+    slots' states from its writer.  Rings of other users are refused, as ``connect`` does;
+    a damaged one raises DamagedRing."""
+    reply, fd, server = _request(name, timeout)
     try:
         size = os.fstat(fd).st_size
         memory = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
@@ -64,7 +107,7 @@ def observe(name: str, timeout: float = 5.0) -> RingView:
     with memory:
         view = memoryview(memory)
         try:
-            return _snapshot(name, reply, view)
+            return _snapshot(name, reply, view, server)
         finally:
             view.release()
 
@@ -72,10 +115,16 @@ def observe(name: str, timeout: float = 5.0) -> RingView:
 def request_view(name: str, timeout: float = 5.0) -> tuple[dict[str, Any], int]:
     """What the writer of ring ``name`` tells an observer: its reply, and a read-only
     descriptor of the ring's memory (the caller closes it)."""
+    reply, fd, _server = _request(name, timeout)
+    return reply, fd
+
+
+def _request(name: str, timeout: float) -> tuple[dict[str, Any], int, int]:
+    """``request_view``, and the pid of the process that answered."""
     name = check_name(name)
     sock = reach(name, time.monotonic() + timeout, None)
     with sock:
-        _pid, uid = peer_credentials(sock)
+        pid, uid = peer_credentials(sock)
         me = os.getuid()
         if uid != me and me != 0:
             raise PermissionError(f"ring {name!r} belongs to uid {uid}, not to this user ({me})")
@@ -88,15 +137,19 @@ def request_view(name: str, timeout: float = 5.0) -> tuple[dict[str, Any], int]:
         reply = json.loads(msg) if msg else {}
         raise FileNotFoundError(reply.get("message", f"ring {name!r} closed"))
     try:
-        return json.loads(msg), fds[0]
+        return json.loads(msg), fds[0], pid
     except BaseException:
         for fd in fds:
             os.close(fd)
         raise
 
 
-def _snapshot(name: str, reply: dict[str, Any], buf: memoryview) -> RingView:
-    layout, writer_pid = Layout.read_header(buf)
+def _snapshot(name: str, reply: dict[str, Any], buf: memoryview, server: int) -> RingView:
+    """The view of ring ``name`` in ``buf``, served by process ``server``."""
+    found = Layout.parse_header(buf)
+    if isinstance(found, str):
+        raise DamagedRing(name, server, found)
+    layout, writer_pid = found
     words = buf.cast("Q")
     try:
         head = words[L.writer_word_index(L.W_HEAD)]
@@ -109,7 +162,7 @@ def _snapshot(name: str, reply: dict[str, Any], buf: memoryview) -> RingView:
         peers: dict[str, str] = given.get("peers", {})
         slots = []
         for i in range(layout.readers):
-            state = _STATES.get(states[i : i + 1], "unknown")
+            state = _BY_LETTER.get(states[i : i + 1], "unknown")
             tail = min(words[L.reader_word_index(i, L.R_TAIL)], head)
             count = min(words[L.reader_word_index(i, L.R_TAIL_COUNT)], head_count)
             pid = pids[i] if i < len(pids) else 0
@@ -128,12 +181,16 @@ def _snapshot(name: str, reply: dict[str, Any], buf: memoryview) -> RingView:
             )
     finally:
         words.release()
+    if closed not in _CLOSED:
+        raise DamagedRing(
+            name, server, f"its end-of-stream word holds {closed}, which no writer writes"
+        )
     counted = [s for s in slots if s.state not in ("detached", "evicted")]
     return RingView(
         name=name,
         writer_pid=writer_pid,
         serializer=str(reply.get("serializer", "")),
-        state=_CLOSED.get(closed, f"closed ({closed})"),
+        state=_CLOSED[closed],
         capacity=layout.capacity,
         max_messages=layout.max_messages,
         messages_put=head_count,
@@ -203,22 +260,56 @@ def format_view(view: RingView) -> str:
     return "\n".join(lines) + _table(rows)
 
 
+def _explained(title: str, states: dict[str, str]) -> str:
+    """A help text's list of ``states`` and what each means."""
+    lines = [title]
+    for state, meaning in states.items():
+        lines += textwrap.wrap(
+            f"{state}: {meaning}", _WIDTH, initial_indent="  ", subsequent_indent="      "
+        )
+    return "\n".join(lines)
+
+
+LS_EXIT = (
+    "A ring whose memory is damaged (a scribbled header, say) is listed with the state "
+    "'damaged' and what is wrong with it.  Exit status: 0, or 1 if any ring listed is "
+    "damaged (every other ring is listed all the same)."
+)
+STAT_EXIT = (
+    "Exit status: 0, or 1 with one line on stderr saying why if the ring is missing, is "
+    "another user's, does not answer, or is damaged."
+)
+
+
 def add_parser(commands: Any) -> None:
     """The ``ls`` and ``stat`` commands of ``python -m aioshmq``."""
     ls = commands.add_parser(
         "ls",
         help="list this user's rings on this machine",
         description="List the rings served on this machine by this user (root: by anyone).",
+        epilog="\n\n".join(
+            [_explained("A ring's state:", RING_STATES), "\n".join(textwrap.wrap(LS_EXIT, _WIDTH))]
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ls.add_argument("--json", action="store_true", help="one JSON object per ring, a line each")
     ls.set_defaults(run=_run_ls)
     stat = commands.add_parser(
         "stat",
         help="show a live ring: bounds, fill, each slot's state, pid, lag and sleep",
-        description=(
+        description=textwrap.fill(
             "Show a live ring without disturbing it: its memory is mapped read-only and no "
-            "reader slot is taken."
+            "reader slot is taken.",
+            _WIDTH,
         ),
+        epilog="\n\n".join(
+            [
+                _explained("The ring's state:", RING_STATES),
+                _explained("A reader slot's state:", SLOT_STATES),
+                "\n".join(textwrap.wrap(STAT_EXIT, _WIDTH)),
+            ]
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     stat.add_argument("name", help="the ring's name (writer.name)")
     stat.add_argument(
@@ -236,9 +327,18 @@ def add_parser(commands: Any) -> None:
 
 def _run_ls(args: argparse.Namespace) -> int:
     rows = [["name", "writer pid", "state", "readers", "messages", "bytes", "capacity"]]
+    damaged = False
     for name in ring_names():
         try:
             view = observe(name)
+        except DamagedRing as exc:
+            damaged = True
+            if args.json:
+                found = {"name": name, "writer_pid": exc.writer_pid, "state": "damaged"}
+                print(json.dumps({**found, "problem": exc.problem}))
+            else:
+                rows.append([name, str(exc.writer_pid), "damaged", "-", "-", "-", "-", exc.problem])
+            continue
         except (OSError, ValueError):
             continue  # closed meanwhile, or another user's
         if args.json:
@@ -257,8 +357,12 @@ def _run_ls(args: argparse.Namespace) -> int:
             ]
         )
     if not args.json:
+        if damaged:  # what is wrong, in a last column
+            width = len(rows[0]) + 1
+            rows[0].append("problem")
+            rows = [row + [""] * (width - len(row)) for row in rows]
         print(_table(rows) if len(rows) > 1 else "no rings")
-    return 0
+    return 1 if damaged else 0
 
 
 def _run_stat(args: argparse.Namespace) -> int:
@@ -267,7 +371,7 @@ def _run_stat(args: argparse.Namespace) -> int:
         while True:
             try:
                 view = observe(args.name)
-            except (FileNotFoundError, PermissionError, TimeoutError) as exc:
+            except (FileNotFoundError, PermissionError, TimeoutError, DamagedRing) as exc:
                 print(f"aioshmq stat: {exc}", file=sys.stderr)
                 return 1
             if args.json:

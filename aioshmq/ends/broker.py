@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..base.errors import busy
+from ..base.errors import Busy
 from ..base.log import log
 from ..memory.notify import Notifier, NotifierKind
 from ..ring import format as F
@@ -642,7 +642,7 @@ def request(
             if code == "range":
                 raise ValueError(text)
             if code == "busy":
-                raise busy(text)
+                raise Busy(text)
             if code == "gone":
                 raise FileNotFoundError(text)
             if code == "permission":

@@ -13,7 +13,7 @@ import warnings
 import weakref
 from collections.abc import Callable
 from types import ModuleType
-from typing import Self
+from typing import NoReturn, Self
 
 import anyio
 from anyio.lowlevel import checkpoint
@@ -265,6 +265,15 @@ class End:
     async def aclose(self) -> None:
         self.close()
         await checkpoint()
+
+    def __reduce__(self) -> NoReturn:
+        """Never: an end belongs to the process that opened it, so it is not pickled (nor
+        sent to a spawned process); the error says what to send instead."""
+        raise TypeError(self._stays_here())
+
+    def _stays_here(self) -> str:
+        """Why this end cannot go to another process, and what to pass there instead."""
+        raise NotImplementedError
 
     def __enter__(self) -> Self:
         return self

@@ -15,7 +15,7 @@ import anyio
 from anyio.abc import ObjectReceiveStream
 from anyio.lowlevel import checkpoint
 
-from ..base.errors import CorruptedError, Empty, PeerDied, busy
+from ..base.errors import Busy, CorruptedError, Empty, PeerDied
 from ..base.log import log
 from ..memory.segment import Segment
 from ..ring import format as L
@@ -196,7 +196,8 @@ class Lease(Generic[T]):
 
 
 class Reader(End, ObjectReceiveStream[T], Generic[T]):
-    """One reader of a ring: receives every message the writer puts, in order."""
+    """One reader of a ring, made by ``aioshmq.connect``: receives every message the writer
+    puts, in order."""
 
     __slots__ = ("_deferred", "_loads_plain", "_pending")  # read by every get
 
@@ -288,6 +289,20 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         return f"<aioshmq.Reader {self._name!r} reader={self._index} {state}>"
+
+    def _stays_here(self) -> str:
+        if self._source is not None:
+            return (
+                f"cannot pickle an aioshmq Reader: it reads the stream {self._source.where} "
+                "through this process.  Call aioshmq.connect(ADDRESS, reader=N, secret=...) "
+                "in the other process, with that address"
+            )
+        return (
+            f"cannot pickle an aioshmq Reader: it holds slot {self._index} of ring "
+            f"{self._name!r} in this process.  Pass the ring's handle (writer.handle, or its "
+            "name, reader.name) to the other process and call aioshmq.connect(handle, "
+            "reader=N) there, with a slot no other reader holds"
+        )
 
     @property
     def name(self) -> str:
@@ -739,7 +754,7 @@ class Reader(End, ObjectReceiveStream[T], Generic[T]):
         if in_event_loop():
             self._refuse_in_loop("get_sync", "reader.get()")
         if self._lock.held:
-            raise busy("an async get is under way on this reader")
+            raise Busy("an async get is under way on this reader")
         if not self._pending and self._deferred is None:
             obj = self._get_plain()
             if obj is not _EMPTY:

@@ -18,7 +18,7 @@ import anyio
 from anyio import to_thread
 from anyio.abc import ObjectSendStream
 
-from ..base.errors import Full, PeerDied, UndeliveredWarning, busy
+from ..base.errors import Busy, Full, PeerDied, UndeliveredWarning
 from ..base.log import log
 from ..memory.notify import Notifier, NotifierKind, default_kind
 from ..memory.segment import Segment
@@ -27,7 +27,7 @@ from ..ring.format import ATTACHED, DEAD, PENDING
 from ..ring.layout import Frame, Layout
 from ..ring.ring import RingWriter
 from ..serialize.base import Buffer, unserializable
-from ..serialize.pickling import PickleSerializer
+from ..serialize.pickling import PickleSerializer, array_nbytes
 from ..serialize.resolve import SerializerSpec, resolve
 from .broker import Broker, check_name
 from .cancel import pending_checkpoint
@@ -43,6 +43,7 @@ V = TypeVar("V")
 
 OnReaderDeath = Literal["raise", "detach"]
 _LONGEST_SLEEP = 3600.0  # s: a put waiting on a timer wakes at least this often
+_LEAST_ARRAY_HEADER = 32  # bytes: a reserved array's buffer table and pickle, at the least
 
 
 class WriterStatistics(NamedTuple):
@@ -187,7 +188,8 @@ def _linger(value: object) -> float:
 
 
 class Writer(End, ObjectSendStream[T], Generic[T]):
-    """The writing end of a ring: every attached reader receives every message, in order."""
+    """The writing end of a ring, made by ``aioshmq.create``: every attached reader receives
+    every message, in order."""
 
     __slots__ = ("_dumps", "_halt", "_pickles", "_ser", "_torch")  # read by every put
 
@@ -277,7 +279,7 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
     def _check(self) -> None:
         super()._check()
         if self._reserving:
-            raise busy("a reservation (writer.reserve) is open on this writer: end its block first")
+            raise Busy("a reservation (writer.reserve) is open on this writer: end its block first")
         failure = self._broker.failure
         if failure is not None:
             raise anyio.BrokenResourceError(
@@ -291,6 +293,13 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         return (
             f"<aioshmq.Writer {self._name!r} capacity={self._layout.capacity} "
             f"max_messages={self._layout.max_messages} readers={self._layout.readers} {state}>"
+        )
+
+    def _stays_here(self) -> str:
+        return (
+            f"cannot pickle an aioshmq Writer: it stays in the process that created ring "
+            f"{self._name!r} (a ring has one writer).  Pass writer.handle to the other process "
+            "and call aioshmq.connect(handle, reader=N) there to read the ring"
         )
 
     # -- identity --------------------------------------------------------------------------
@@ -308,6 +317,8 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         """None unless reader slot ``index`` is held by a reader on another host; then what
         that reader said about itself (an ``aioshmq.rpc`` worker says where its replies
         are), empty until it has said it."""
+        if self._forked:
+            raise self._closed_error()
         return None if self._relay is None else self._relay.remote_slot(index)
 
     @property
@@ -640,6 +651,13 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         dims = (shape,) if isinstance(shape, int) else tuple(shape)
         if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in dims):
             raise ValueError(f"shape must be sizes >= 0, not {shape!r}")
+        # Refused before the serializer makes the placeholder its pickle comes from, which
+        # would take as much memory as the array.  The buffer table and the pickle take 32
+        # bytes at least: the exact bound is checked once they are made.
+        nbytes = array_nbytes(dims, dtype)
+        self._check()
+        if nbytes > self._core.max_record - L.HEADER_SIZE - _LEAST_ARRAY_HEADER:
+            raise self._too_big(nbytes, _LEAST_ARRAY_HEADER)
         main, nbytes, wrap = ser.reserved_array(dims, dtype)
         return Reservation(self, self._reserved(main, nbytes), wrap, timeout)
 
@@ -647,13 +665,18 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         self._check()
         frame = Frame.reserved(main, nbytes)
         if not self._ring.fits_whole(frame):
-            most = self._core.max_record - L.HEADER_SIZE - (frame.hole if main else 0)
-            raise ValueError(
-                f"a reserved message must fit in one record, at most {most} bytes in ring "
-                f"{self._name!r} (half its capacity of {self._layout.capacity}, less "
-                f"headers), not {nbytes}; put() sends bigger messages in fragments"
-            )
+            raise self._too_big(nbytes, frame.hole if main else 0)
         return frame
+
+    def _too_big(self, nbytes: int, header: int) -> ValueError:
+        """The error for a reserved message of ``nbytes`` that cannot fit in one record,
+        ``header`` bytes of its payload being taken before them."""
+        most = self._core.max_record - L.HEADER_SIZE - header
+        return ValueError(
+            f"a reserved message must fit in one record, at most {most} bytes in ring "
+            f"{self._name!r} (half its capacity of {self._layout.capacity}, less "
+            f"headers), not {nbytes}; put() sends bigger messages in fragments"
+        )
 
     async def put_many(self, objs: Iterable[T]) -> None:
         """Send a batch with one publish and at most one wake-up per sleeping reader.
@@ -718,19 +741,41 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         return frames
 
     def put_nowait(self, obj: T) -> None:
-        """Send ``obj`` now, or raise Full (nothing written) if the ring has no room."""
+        """Send ``obj`` now, or raise Full (nothing written) if the ring has no room.
+
+        A message of more than three quarters of the ring, less 48 bytes (three fragments),
+        is refused with ValueError: it would fit only where the ring's cursor happens to
+        lie, if at all, so waiting for readers would not make room for it; ``put`` sends it
+        in fragments as they read.
+        """
         self._check()
         if self._lock.held:
-            self._frame(obj)  # an object that does not serialize says so first
+            self._nowait_fits(self._frame(obj))  # an object that does not serialize says so first
             raise Full("tasks are already waiting to put into this ring")
         frame = self._offer(obj)
         if frame is None:
             return
+        self._nowait_fits(frame)
         steps = self._steps([frame], atomic=True)
         for _ in steps:
             steps.close()
             self._check_readers()
             raise Full(f"ring {self._name!r} has no room for a message of {frame.length} bytes")
+
+    def _nowait_fits(self, frame: Frame) -> None:
+        """ValueError unless ``put_nowait`` can place ``frame`` whatever the ring's cursor,
+        once the readers have read everything: in three fragments at most.  A record never
+        wraps, so a fourth fragment fits only at some positions, and a fifth never: Full would
+        come back for ever, however long the caller waited."""
+        most = 3 * self._layout.fragment_payload
+        if frame.length > most:
+            raise ValueError(
+                f"a message of {frame.length} bytes is more than put_nowait() places in ring "
+                f"{self._name!r}: at most {most} bytes (three quarters of its capacity of "
+                f"{self._layout.capacity}, less fragment headers); a bigger one may never find "
+                "room all at once, however long it waits, so retrying cannot help: use put() or "
+                "put_sync(), which send it in fragments as readers take them"
+            )
 
     def put_sync(self, obj: T, timeout: float | None = None) -> None:
         """Blocking put for code without an event loop; TimeoutError after ``timeout`` s.
@@ -743,7 +788,7 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         if in_event_loop():
             self._refuse_in_loop("put_sync", "writer.put(obj)")
         if self._lock.held:
-            raise busy("an async put or wait_readers is under way on this writer")
+            raise Busy("an async put or wait_readers is under way on this writer")
         if (frame := self._offer(obj)) is None:
             return
         deadline = deadline_of(timeout)
@@ -1016,7 +1061,7 @@ class Reservation(Generic[V]):
         writer._check()
         writer._refuse_in_loop("reserve", "writer.reserve(...) with 'async with'")
         if writer._lock.locked():
-            raise busy("an async put or wait_readers is under way on this writer")
+            raise Busy("an async put or wait_readers is under way on this writer")
         deadline = deadline_of(self._timeout)
         self._token = writer._hold(False)
         try:

@@ -15,7 +15,7 @@ from typing import Any
 import zmq
 import zmq.utils.monitor
 
-from ..base.errors import CorruptedError, busy
+from ..base.errors import Busy, CorruptedError
 from ..ends.writer import MirrorWriter
 from ..ring.layout import Layout
 from . import _wire as W
@@ -413,7 +413,7 @@ def _raise_refusal(refusal: dict[str, Any]) -> None:
     text = str(refusal.get("message", "refused"))
     code = refusal.get("error")
     if code == "busy":
-        raise busy(text)
+        raise Busy(text)
     if code == "range":
         raise ValueError(text)
     if code == "gone":

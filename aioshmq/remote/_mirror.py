@@ -132,8 +132,8 @@ class Mirror:
         return self._serializer
 
     @property
-    def link(self) -> Link:
-        """The connection to the remote writer."""
+    def _live_link(self) -> Link:
+        """The connection to the remote writer (an internal object)."""
         if self._link is None:
             raise RuntimeError("this mirror is closed")
         return self._link
@@ -293,7 +293,7 @@ def open_link(
     )
     if meta is not None:
         try:
-            m.link.send_meta(meta(m.link.welcome))
+            m._live_link.send_meta(meta(m._live_link.welcome))
         except BaseException:
             m.close()
             raise
@@ -322,7 +322,7 @@ class _Direct:
 
     def __init__(self, m: Mirror) -> None:
         self._mirror = m
-        self._link = link = m.link
+        self._link = link = m._live_link
         writer = m.writer
         assert isinstance(writer, MirrorWriter)
         self._writer: MirrorWriter[Any] = writer

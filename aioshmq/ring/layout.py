@@ -73,15 +73,24 @@ class Layout:
     @classmethod
     def read_header(cls, buf: memoryview) -> tuple[Layout, int]:
         """The layout stored in a segment, and the writer's pid; checks it is sane."""
+        found = cls.parse_header(buf)
+        if isinstance(found, str):
+            raise CorruptedError(found)
+        return found
+
+    @classmethod
+    def parse_header(cls, buf: memoryview) -> tuple[Layout, int] | str:
+        """``read_header``'s answer, or what is wrong with the header: for a view that only
+        looks at rings (``python -m aioshmq stat``), which neither raises nor logs for one."""
         if len(buf) < F.READER_LINES:
-            raise CorruptedError(f"segment of {len(buf)} bytes is too small for a header")
+            return f"segment of {len(buf)} bytes is too small for a header"
         magic, version, capacity, max_messages, readers, data_offset, pid = _HEADER.unpack_from(
             buf, F.OFF_MAGIC
         )
         if magic != F.MAGIC:
-            raise CorruptedError(f"bad magic {magic:#x}: not an aioshmq ring")
+            return f"bad magic {magic:#x}: not an aioshmq ring"
         if version != F.VERSION:
-            raise CorruptedError(f"ring format version {version}, this aioshmq reads {F.VERSION}")
+            return f"ring format version {version}, this aioshmq reads {F.VERSION}"
         layout = cls(capacity, max_messages, readers)
         if (
             not F.MIN_CAPACITY <= capacity <= F.MAX_CAPACITY
@@ -91,7 +100,7 @@ class Layout:
             or data_offset != layout.data_offset
             or layout.size > len(buf)
         ):
-            raise CorruptedError(
+            return (
                 f"inconsistent header: capacity={capacity} max_messages={max_messages} "
                 f"readers={readers} data_offset={data_offset} segment={len(buf)} bytes"
             )

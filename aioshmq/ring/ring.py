@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from ..base.errors import CorruptedError, busy
+from ..base.errors import Busy, CorruptedError
 from ..memory.notify import Notifier
 from ..memory.segment import Segment
 from . import format as F
@@ -279,7 +279,7 @@ class RingWriter:
         under the gate lock, so a reader attaching meanwhile is never dropped)."""
         with self.gate:
             if self.gate.state(index) == F.ATTACHED:
-                raise busy(f"reader slot {index} is held by a live reader: it cannot be dropped")
+                raise Busy(f"reader slot {index} is held by a live reader: it cannot be dropped")
             self.gate.set(index, F.DETACHED)
             self.w[self.r_sleep[index]] = 0
 

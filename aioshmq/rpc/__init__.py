@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 import anyio
 from anyio.abc import TaskGroup
@@ -398,6 +398,15 @@ class Client:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         return f"<aioshmq.rpc.Client {self.name!r} workers={self._workers} {state}>"
+
+    def __reduce__(self) -> NoReturn:
+        """Never: a client runs in the process (and event loop) that made it."""
+        raise TypeError(
+            f"cannot pickle an aioshmq.rpc.Client: it runs in the process that made it "
+            f"(client {self.name!r}).  Workers serve it from their own processes: pass "
+            "client.handle to them (client.address, with listen=, on other hosts) and call "
+            "aioshmq.rpc.serve(handle, rank, target) or serve_sync(...) there"
+        )
 
     @property
     def name(self) -> str:

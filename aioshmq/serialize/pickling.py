@@ -239,9 +239,7 @@ class PickleSerializer(Serializer):
         """For ``Writer.reserve_array``: the pickle of an array (tensor, if ``dtype`` is
         torch's) of ``shape`` and ``dtype`` with its data out of band, the data's size, and
         what makes the caller's array of the ring memory reserved for it."""
-        count = 1
-        for n in shape:
-            count *= n
+        nbytes = array_nbytes(shape, dtype)
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(dtype, torch.dtype):
             from . import tensors as _torch
@@ -259,17 +257,10 @@ class PickleSerializer(Serializer):
             def tensor(view: memoryview) -> Any:
                 return _torch.tensor_view(view, dtype, shape)
 
-            return main, count * dtype.itemsize, tensor
-        try:
-            import numpy as np
-        except ImportError:
-            raise TypeError(
-                f"reserve_array() makes numpy arrays (or torch tensors for a torch dtype), "
-                f"and numpy is not installed: dtype {dtype!r}"
-            ) from None
+            return main, nbytes, tensor
+        import numpy as np  # array_nbytes found it
+
         dt = np.dtype(dtype)
-        if dt.hasobject:
-            raise TypeError(f"dtype {dt} holds Python objects, which have no bytes to reserve")
         header = self.array_header(dt, shape)
         if header is None:
             raise TypeError(f"arrays of dtype {dt} do not pickle out of band")
@@ -277,7 +268,7 @@ class PickleSerializer(Serializer):
         def array(view: memoryview) -> Any:
             return np.frombuffer(view, dt).reshape(shape)
 
-        return header, count * dt.itemsize, array
+        return header, nbytes, array
 
     def dumps_many(self, objs: list[Any]) -> tuple[Buffer, list[memoryview]]:
         """A whole batch as one pickled list: far cheaper per object than one each."""
@@ -305,3 +296,26 @@ class CloudpickleSerializer(PickleSerializer):
         self._dumps = cloudpickle.dumps
         if self._reducing is None:
             self._current = self._dumps
+
+
+def array_nbytes(shape: tuple[int, ...], dtype: Any) -> int:
+    """The size of the data of an array (tensor, if ``dtype`` is torch's) of ``shape`` and
+    ``dtype``, worked out without making one; TypeError for a dtype that has no bytes to
+    reserve."""
+    count = 1
+    for n in shape:
+        count *= n
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(dtype, torch.dtype):
+        return count * int(dtype.itemsize)
+    try:
+        import numpy as np
+    except ImportError:
+        raise TypeError(
+            f"reserve_array() makes numpy arrays (or torch tensors for a torch dtype), "
+            f"and numpy is not installed: dtype {dtype!r}"
+        ) from None
+    dt = np.dtype(dtype)
+    if dt.hasobject:
+        raise TypeError(f"dtype {dt} holds Python objects, which have no bytes to reserve")
+    return count * int(dt.itemsize)
