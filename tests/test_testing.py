@@ -1,10 +1,16 @@
-"""The pytest plugin: user-like suites run by pytester under pytest-asyncio, anyio and xdist."""
+"""The pytest plugin: user-like suites run by pytester under pytest-asyncio, anyio and xdist;
+the rpc_client helper driven directly."""
 
 from __future__ import annotations
 
 import textwrap
+import time
 
+import anyio
 import pytest
+
+from aioshmq import PeerDied
+from aioshmq.testing import rpc_client
 
 WORKERS = '''
 class Model:
@@ -225,3 +231,75 @@ def test_the_leak_check_is_opt_in_and_names_the_leak(pytester: pytest.Pytester) 
     )
     pytester.makeini(INI + "aioshmq_leaks = true\n")
     _run(pytester).assert_outcomes(passed=4, errors=2)
+
+
+# -- the rpc_client context manager, driven directly -------------------------------------------
+
+START = "forkserver"  # the workers' start method in these tests: quick after the first
+
+
+class AsyncModel:
+    """A target with an async method (and a plain one), as a scheduler's workers serve."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    async def slow(self, seconds: float) -> int:
+        await anyio.sleep(seconds)
+        return self.rank
+
+    def forward(self, x: int) -> int:
+        return self.rank + x
+
+
+class PlainModel:
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def forward(self, x: int) -> int:
+        return self.rank + x
+
+
+def broken_model(rank: int) -> object:
+    raise RuntimeError(f"no model for rank {rank}")
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_rpc_client_serves_async_methods_by_default(anyio_backend: object) -> None:
+    with anyio.fail_after(30):
+        async with rpc_client(AsyncModel, workers=2, method=START) as client:
+            assert await client.call("slow", 0.0) == [0, 1]
+            assert await client.call("forward", 10) == [10, 11]
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_rpc_client_serve_chooses_how_the_workers_serve(anyio_backend: object) -> None:
+    with anyio.fail_after(30):
+        async with rpc_client(PlainModel, workers=1, method=START, serve="async") as client:
+            assert await client.call("forward", 1) == [1]
+        async with rpc_client(AsyncModel, workers=1, method=START, serve="sync") as client:
+            assert await client.call("forward", 1) == [1]
+            with pytest.raises(Exception, match="'slow' is async"):
+                await client.call("slow", 0.0)
+    with pytest.raises(ValueError, match="serve must be 'auto', 'sync' or 'async', not 'trio'"):
+        async with rpc_client(PlainModel, workers=1, method=START, serve="trio"):
+            pass
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+async def test_rpc_client_fails_at_once_naming_the_exit_codes_of_workers_that_died(
+    anyio_backend: object,
+) -> None:
+    """Both workers die before attaching (their target cannot be made): the client fails
+    within seconds, not after its attach timeout, and names their exit codes."""
+    start = time.monotonic()
+    with anyio.fail_after(30), pytest.raises(PeerDied) as info:
+        async with rpc_client(broken_model, workers=2, method=START):
+            raise AssertionError("handed out a client whose workers died")
+    assert time.monotonic() - start < 20
+    assert "exited with code 1 before attaching" in str(info.value)
+    assert info.value.role == "worker"
