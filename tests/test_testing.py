@@ -303,3 +303,64 @@ async def test_rpc_client_fails_at_once_naming_the_exit_codes_of_workers_that_di
     assert time.monotonic() - start < 20
     assert "exited with code 1 before attaching" in str(info.value)
     assert info.value.role == "worker"
+
+
+@pytest.mark.timeout(120)
+def test_the_leak_check_blames_a_test_only_for_the_ends_it_opened(
+    pytester: pytest.Pytester,
+) -> None:
+    """An unmarked test leaks an end in a reference cycle, which the garbage collector finds
+    during the next, marked test: that test passes, and the warning about the end reaches
+    pytest's summary as it would without the check; a marked test that leaks in a cycle of
+    its own still fails."""
+    ini = INI.replace(
+        "filterwarnings = error", "filterwarnings =\n    error\n    default::ResourceWarning"
+    )
+    pytester.makeini(ini)
+    pytester.makepyfile(
+        test_cycles=textwrap.dedent(
+            """
+            import gc
+
+            import pytest
+
+            import aioshmq
+
+
+            class Holder:
+                def __init__(self):
+                    self.me = self  # a reference cycle: only the collector frees it
+                    self.writer = aioshmq.create(capacity=1 << 16)
+
+
+            def test_unmarked_leaks_in_a_cycle():
+                gc.disable()  # until the next test: the collector runs there
+                Holder()
+
+
+            @pytest.mark.aioshmq_leaks
+            def test_marked_and_clean():
+                gc.enable()
+                assert gc.collect()  # what a collection during this test would find
+                with aioshmq.create(capacity=1 << 16) as w:
+                    w.drop_reader(0)
+
+
+            @pytest.mark.aioshmq_leaks
+            def test_marked_and_leaks_in_a_cycle():
+                Holder()
+            """
+        )
+    )
+    result = _run(pytester, "-v")
+    result.assert_outcomes(passed=3, errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*test_marked_and_clean PASSED*",
+            "*ERROR at teardown of test_marked_and_leaks_in_a_cycle*",
+            "*aioshmq ends collected unclosed: [[]*unclosed <aioshmq.Writer*",
+            "*warnings summary*",
+            "*test_marked_and_clean*",
+            "*ResourceWarning: unclosed <aioshmq.Writer*",
+        ]
+    )
