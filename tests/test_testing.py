@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import textwrap
 import time
+from pathlib import Path
 
 import anyio
 import pytest
+from test_readme import _blocks
 
 from aioshmq import PeerDied
 from aioshmq.testing import rpc_client
@@ -364,3 +366,90 @@ def test_the_leak_check_blames_a_test_only_for_the_ends_it_opened(
             "*ResourceWarning: unclosed <aioshmq.Writer*",
         ]
     )
+
+
+# -- the event-loop examples of docs/testing.md, run as written -------------------------------
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "testing.md"
+
+
+def _doc_files(*headings: str) -> dict[str, str]:
+    """The files docs/testing.md shows under these headings: each python block whose first
+    line names one (``# conftest.py``); blocks naming the same file are joined."""
+    files: dict[str, str] = {}
+    for block in _blocks(DOCS.read_text(encoding="utf-8")):
+        first = block.text.partition("\n")[0]
+        if block.heading in headings and block.info == "python" and first.startswith("# "):
+            name = first[2:].strip()
+            files[name] = files.get(name, "") + block.text
+    assert files and all(name.endswith(".py") for name in files), f"{headings}: {files}"
+    return files
+
+
+def _write(pytester: pytest.Pytester, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        pytester.path.joinpath(name).write_text(text, encoding="utf-8")
+
+
+ON_UVLOOP = """
+import asyncio
+
+import pytest
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_the_session_loop_is_uvloop(client):
+    assert type(asyncio.get_running_loop()).__module__.startswith("uvloop")
+"""
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+@pytest.mark.parametrize("mode", ["strict", "auto"])
+def test_the_docs_session_client_under_pytest_asyncio(
+    pytester: pytest.Pytester, mode: str, loop: str
+) -> None:
+    """The docs' session-scoped client (an async target, spawned workers) and its tests on
+    the session's loop, on asyncio or (the docs' hook) uvloop, warnings being errors."""
+    files = _doc_files("pytest-asyncio")
+    expected = 1
+    if loop == "uvloop":
+        uvloop_files = _doc_files("uvloop under pytest-asyncio")
+        files["conftest.py"] += uvloop_files.pop("conftest.py")
+        files.update(uvloop_files)
+        files["test_loop.py"] = ON_UVLOOP
+        expected += 1
+    _write(pytester, files)
+    pytester.makeini(INI + f"asyncio_mode = {mode}\n")
+    result = _run(pytester, "-v")
+    result.assert_outcomes(passed=expected)
+
+
+@pytest.mark.timeout(180)
+def test_the_docs_session_client_under_anyio_on_each_backend(pytester: pytest.Pytester) -> None:
+    """The docs' session-scoped client under anyio's plugin, once per backend: asyncio,
+    uvloop and trio, each test on the loop asked for."""
+    _write(pytester, _doc_files("anyio's plugin"))
+    pytester.makepyfile(
+        test_loop="""
+        import pytest
+        import sniffio
+
+        pytestmark = pytest.mark.anyio
+
+
+        async def test_the_loop_is_the_one_asked_for(client, anyio_backend):
+            if anyio_backend == "trio":
+                assert sniffio.current_async_library() == "trio"
+            else:
+                import asyncio
+
+                module = type(asyncio.get_running_loop()).__module__
+                assert module.startswith("uvloop") == isinstance(anyio_backend, tuple)
+        """
+    )
+    pytester.makeini(INI)
+    result = _run(pytester, "-v")
+    result.assert_outcomes(passed=6)
+    for backend in ("asyncio", "uvloop", "trio"):
+        result.stdout.fnmatch_lines([f"*test_model.py::test_forward?{backend}? PASSED*"])

@@ -20,7 +20,7 @@ import warnings
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import pytest
@@ -187,7 +187,7 @@ async def rpc_client(
     workers: int = 2,
     *,
     method: str = "spawn",
-    serve: str = "auto",
+    serve: Literal["auto", "sync", "async"] = "auto",
     **client: Any,
 ) -> AsyncIterator[rpc.Client]:
     """An ``rpc.Client`` with ``workers`` worker processes started with ``method``, each
