@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import os
 import select
@@ -28,6 +29,7 @@ CLOSE_WAIT = 5.0  # s: how long close() waits for calls blocked in other threads
 LOOP_LOOK = 0.01  # s: how often that wait looks whether the loop it waits for has closed
 
 _live: weakref.WeakSet[End] = weakref.WeakSet()
+_watchers: list[Callable[[End], None]] = []
 _tokens = itertools.count()
 _get_ident = threading.get_ident
 _monotonic = time.monotonic
@@ -44,6 +46,14 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 def open_ends() -> list[End]:
     """Every end of this process that is open now (what a leak check looks at)."""
     return [end for end in list(_live) if not end._closed]
+
+
+def watch_opened(watcher: Callable[[End], None]) -> Callable[[], None]:
+    """Call ``watcher(end)`` with every end this process opens from now on, until the
+    function returned is called: how a leak check knows, by identity, the ends a test
+    opened."""
+    _watchers.append(watcher)
+    return functools.partial(_watchers.remove, watcher)
 
 
 def _in_event_loop(
@@ -120,6 +130,8 @@ class End:
         self._loop_pending = False  # a foreign loop has yet to unregister the wait fd
         self._done = threading.Event()
         _live.add(self)
+        for watcher in _watchers:
+            watcher(self)
 
     # -- lifecycle -------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import inspect
 import multiprocessing
 import os
 import secrets
@@ -19,7 +20,7 @@ import warnings
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import pytest
@@ -27,6 +28,7 @@ import pytest
 import aioshmq
 
 from .. import rpc
+from ..ends.end import End, open_ends, watch_opened
 
 __all__ = ["Processes", "Rings", "ring_memory", "rpc_client", "unique_name"]
 
@@ -106,32 +108,110 @@ class Rings:
         self._ends.clear()
 
 
-def _serve(handle: rpc.RpcHandle, rank: int, make: Callable[[int], object]) -> None:
-    rpc.serve_sync(handle, rank, make(rank))
+SERVE_MODES = ("auto", "sync", "async")
+
+
+def _has_async_methods(target: object) -> bool:
+    """Whether any public method of ``target`` is ``async def`` (looked up without running
+    a property or ``__getattr__``)."""
+    for name in dir(target):
+        if name.startswith("_"):
+            continue
+        try:
+            attribute = inspect.getattr_static(target, name)
+        except AttributeError:
+            continue
+        if isinstance(attribute, (staticmethod, classmethod)):
+            attribute = attribute.__func__
+        if inspect.iscoroutinefunction(attribute):
+            return True
+    return False
+
+
+def _serve(handle: rpc.RpcHandle, rank: int, make: Callable[[int], object], serve: str) -> None:
+    target = make(rank)
+    if serve == "async" or (serve == "auto" and _has_async_methods(target)):
+        anyio.run(rpc.serve, handle, rank, target)
+    else:
+        rpc.serve_sync(handle, rank, target)
+
+
+async def _wait_attached(client: rpc.Client, procs: list[BaseProcess]) -> None:
+    """Return once every worker has attached; fail as soon as a worker process exits before
+    that (naming the exit codes), or after JOIN_TIMEOUT."""
+    exited: list[int] = []
+    failed: list[Exception] = []
+
+    async def attach(scope: anyio.CancelScope) -> None:
+        try:
+            await client.wait_workers()
+        except Exception as exc:  # PeerDied: a worker died after attaching
+            failed.append(exc)
+        scope.cancel()
+
+    async def watch(rank: int, proc: BaseProcess, scope: anyio.CancelScope) -> None:
+        await anyio.wait_readable(proc.sentinel)  # readable once the process has exited
+        exited.append(rank)
+        scope.cancel()
+
+    with anyio.move_on_after(JOIN_TIMEOUT) as waited:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(attach, tg.cancel_scope)
+            for rank, proc in enumerate(procs):
+                tg.start_soon(watch, rank, proc, tg.cancel_scope)
+    if exited:
+        dead = procs[exited[0]]
+        await anyio.to_thread.run_sync(dead.join, 5.0)  # its exit code is there to read
+        codes = ", ".join(f"worker {rank}: {proc.exitcode}" for rank, proc in enumerate(procs))
+        raise aioshmq.PeerDied(
+            f"aioshmq.testing.rpc_client: worker {exited[0]} (pid {dead.pid}) exited with code "
+            f"{dead.exitcode} before attaching (exit codes so far, None while running: "
+            f"{codes}); a worker's error is on its stderr: did make(rank) raise?",
+            role="worker",
+            pid=dead.pid or 0,
+            index=exited[0],
+        )
+    if failed:
+        raise failed[0]
+    if waited.cancelled_caught:
+        codes = ", ".join(f"worker {rank}: {proc.exitcode}" for rank, proc in enumerate(procs))
+        raise TimeoutError(
+            f"the rpc workers did not all attach within {JOIN_TIMEOUT} s (their exit codes so "
+            f"far, None while running: {codes}); a worker's error is on its stderr"
+        )
 
 
 @asynccontextmanager
 async def rpc_client(
-    make: Callable[[int], object], workers: int = 2, *, method: str = "spawn", **client: Any
+    make: Callable[[int], object],
+    workers: int = 2,
+    *,
+    method: str = "spawn",
+    serve: Literal["auto", "sync", "async"] = "auto",
+    **client: Any,
 ) -> AsyncIterator[rpc.Client]:
     """An ``rpc.Client`` with ``workers`` worker processes started with ``method``, each
     serving ``make(rank)`` (``make`` must be importable for "spawn" and "forkserver"), all
     attached when it is handed out; the workers are reaped when the block ends, however it
-    ends.  Fit for a session-scoped async fixture: it may be left from another task."""
+    ends.  Fit for a session-scoped async fixture: it may be left from another task.
+
+    ``serve`` says how the workers serve: "sync" with ``rpc.serve_sync``, "async" with
+    ``rpc.serve`` under ``anyio.run`` (asyncio), "auto" (the default) with ``rpc.serve`` if
+    the target has a public ``async def`` method and ``rpc.serve_sync`` if not.  A worker
+    process that exits before attaching fails the block at once with ``PeerDied`` naming
+    the exit codes; workers still not attached after 60 s fail it with ``TimeoutError``.
+    """
+    if serve not in SERVE_MODES:
+        raise ValueError(f"serve must be 'auto', 'sync' or 'async', not {serve!r}")
     procs = Processes()
     try:
         async with rpc.Client(workers, **client) as c:
             for rank in range(workers):
-                start = functools.partial(procs.start, _serve, c.handle, rank, make, method=method)
-                await anyio.to_thread.run_sync(start)
-            with anyio.move_on_after(JOIN_TIMEOUT) as waited:
-                await c.wait_workers()
-            if waited.cancelled_caught:
-                codes = [p.exitcode for p in procs.procs]
-                raise TimeoutError(
-                    f"the rpc workers did not all attach within {JOIN_TIMEOUT} s (their exit "
-                    f"codes so far: {codes}; a worker's error is on its stderr)"
+                start = functools.partial(
+                    procs.start, _serve, c.handle, rank, make, serve, method=method
                 )
+                await anyio.to_thread.run_sync(start)
+            await _wait_attached(c, procs.procs)
             yield c
         await anyio.to_thread.run_sync(procs.join)
     finally:
@@ -198,17 +278,13 @@ def ring_memory() -> set[str]:
     return found
 
 
-def _open_ends() -> set[int]:
-    from ..ends.end import open_ends
-
-    return {id(end) for end in open_ends()}
-
-
 @pytest.fixture(autouse=True)
 def _aioshmq_leak_check(request: pytest.FixtureRequest) -> Iterator[None]:
-    """The opt-in leak check: ends opened and ring memory mapped during this test (before it
-    are not its own: a session's rings, the loop's fds) must be gone after it, and aioshmq's
-    ResourceWarnings (an end collected unclosed) are failures."""
+    """The opt-in leak check: the ends this test opened (known by identity: not a session's
+    rings, nor an end an earlier test left to the garbage collector) must be closed after it,
+    none of them collected unclosed, and the ring memory mapped during it released.  Other
+    warnings raised during the test, such as a ResourceWarning about another test's end,
+    reach pytest as they would without the check."""
     config = request.config
     wanted = (
         config.getoption("aioshmq_leaks")
@@ -218,24 +294,39 @@ def _aioshmq_leak_check(request: pytest.FixtureRequest) -> Iterator[None]:
     if not wanted:
         yield
         return
-    ends, memory = _open_ends(), ring_memory()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", ResourceWarning)
-        yield
-        if _open_ends() - ends or ring_memory() - memory:
-            gc.collect()  # what is only unreferenced goes now (and warns, if unclosed)
-    from ..ends.end import open_ends
-
-    left = [end for end in open_ends() if id(end) not in ends]
+    opened: set[int] = set()
+    memory = ring_memory()
+    unwatch = watch_opened(lambda end: opened.add(id(end)))
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ResourceWarning)
+            yield
+            if any(id(end) in opened for end in open_ends()) or ring_memory() - memory:
+                gc.collect()  # what is only unreferenced goes now (and warns, if unclosed)
+    finally:
+        unwatch()
+    # An id names one end throughout: an end open when the test began lives on until the
+    # collector's warning about it, which holds it, so no end opened since shares its id.
+    left = [end for end in open_ends() if id(end) in opened]
     mapped = sorted(ring_memory() - memory)
-    unclosed = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
-    unclosed = [text for text in unclosed if "aioshmq" in text]
+    own = [
+        w
+        for w in caught
+        if issubclass(w.category, ResourceWarning)
+        and isinstance(w.source, End)
+        and id(w.source) in opened
+    ]
     problems = []
     if left:
         problems.append(f"aioshmq ends left open: {left}")
     if mapped:
         problems.append(f"ring memory still held: {mapped}")
-    if unclosed:
-        problems.append(f"aioshmq ends collected unclosed: {unclosed}")
-    if problems:
-        pytest.fail("; ".join(problems), pytrace=False)
+    if own:
+        problems.append(f"aioshmq ends collected unclosed: {[str(w.message) for w in own]}")
+    try:
+        for w in caught:
+            if w not in own:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+    finally:
+        if problems:
+            pytest.fail("; ".join(problems), pytrace=False)
