@@ -83,4 +83,6 @@ def test_soak_hundreds_of_cuts() -> None:
     assert proxy.cuts + proxy.acks_lost >= 300, (proxy.cuts, proxy.acks_lost)
     assert proxy.acks_lost >= 50
     assert gap < 2 * HEARTBEAT
-    assert n > 100_000
+    # Not a speed floor (most of the time goes to reconnecting): enough messages that the
+    # cuts fall at every moment of the protocol, between and inside runs.
+    assert n > 10_000
