@@ -15,6 +15,8 @@ import logging
 import os
 import pickle
 import secrets
+import sys
+import threading
 import time
 import traceback
 from collections import deque
@@ -219,6 +221,7 @@ class Call:
     def cancel(self) -> None:
         """Withdraw the call; awaiting it afterwards raises ``anyio.ClosedResourceError``."""
         if not self.done():
+            self._client._check_loop("cancel a call")
             self._finish(anyio.ClosedResourceError(f"call {self.id} ({self.method}) was withdrawn"))
 
     def _deliver(self, rank: int, ok: bool, value: Any) -> None:
@@ -283,6 +286,9 @@ class Call:
                 client._next_yield = now + YIELD_INTERVAL
                 await checkpoint()
             return self._outcome()
+        client = self._client
+        if threading.get_ident() != client._thread or _running_loop() is not client._loop:
+            client._check_loop("await a call")
         if self._event is None:
             self._event = anyio.Event()
         try:
@@ -394,6 +400,9 @@ class Client:
         self._closed = False
         self._submitted = self._received = 0
         self._next_yield = 0.0
+        self._loop: object = None  # the asyncio loop running in the thread that entered it
+        self._thread = 0  # that thread
+        self._owner = ""  # both, in words
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
@@ -421,6 +430,9 @@ class Client:
         self._stop = anyio.Event()
         self._stopped = anyio.Event()
         entered = anyio.Event()
+        self._loop = _running_loop()
+        self._thread = threading.get_ident()
+        self._owner = f"{_loop_words()} in thread {threading.current_thread().name!r}"
         if _on_asyncio():
             self._host = asyncio.get_running_loop().create_task(
                 self._run_host(entered), name=f"aioshmq.rpc client {self.name}"
@@ -457,6 +469,8 @@ class Client:
 
     async def _close(self) -> None:
         """Fail the calls, end the host task and wait until it has closed the rings."""
+        if self._stopped is not None and not self._stopped.is_set():
+            self._check_loop("close it")
         self._shut(anyio.ClosedResourceError("the aioshmq.rpc client was closed"))
         if self._stop is None or self._stopped is None:  # never started: no host task
             self._release()
@@ -522,6 +536,29 @@ class Client:
         if self._failure is not None:
             raise _fresh(self._failure)
 
+    def _check_loop(self, what: str) -> None:
+        """Refuse at once a use from another event loop or thread than the one that entered
+        the client: its tasks and events live there, so it could only wait forever."""
+        if self._stop is None or (
+            threading.get_ident() == self._thread and _running_loop() is self._loop
+        ):
+            return
+        if threading.get_ident() != self._thread:
+            here = f"thread {threading.current_thread().name!r}"
+        else:
+            words = _loop_words()
+            here = (
+                "outside an event loop"
+                if words == "no event loop"
+                else f"another event loop ({words})"
+            )
+        raise RuntimeError(
+            f"aioshmq.rpc client {self.name!r} belongs to the event loop that entered it "
+            f"({self._owner}): it cannot {what} from {here}, where it would wait forever.  "
+            "Use it from tasks of that loop (with pytest-asyncio, run the test in the loop "
+            "scope of the fixture that opened the client), or open a client in this loop"
+        )
+
     # -- calls -------------------------------------------------------------------------------
 
     def submit(
@@ -545,6 +582,8 @@ class Client:
             raise anyio.ClosedResourceError("the aioshmq.rpc client is closed")
         if self._stop is None:
             raise RuntimeError("start the client first: async with client: ...")
+        if threading.get_ident() != self._thread or _running_loop() is not self._loop:
+            self._check_loop("submit a call")
         if not (isinstance(method, str) and method) and not callable(method):
             raise TypeError(f"method must be a method name or a function, not {method!r}")
         n = self._workers
@@ -588,12 +627,32 @@ class Client:
         )
         return await call.wait()
 
-    async def wait_workers(self) -> None:
-        """Return once every worker has attached (PeerDied if one died meanwhile)."""
+    async def wait_workers(self, timeout: float | None = None) -> None:
+        """Return once every worker has attached (PeerDied if one died meanwhile).
+
+        With ``timeout`` (seconds), raise ``TimeoutError`` naming the workers still missing
+        if they have not all attached by then.
+        """
         if self._ready is None:
             raise RuntimeError("start the client first: async with client: ...")
-        await self._ready.wait()
+        self._check_loop("wait for its workers")
+        with anyio.move_on_after(timeout):
+            await self._ready.wait()
         self._raise_failure()
+        if not self._ready.is_set():
+            missing = self._missing_workers()
+            raise TimeoutError(
+                f"aioshmq.rpc client {self.name!r}: worker{'s' if len(missing) > 1 else ''} "
+                f"{', '.join(map(str, missing))} (of {self._workers}) did not attach within "
+                f"{timeout} s: each rank needs a process that runs "
+                "aioshmq.rpc.serve(client.handle, rank, target) (or serve_sync); check that "
+                "those were started and are still alive"
+            )
+
+    def _missing_workers(self) -> list[int]:
+        """The ranks not yet attached to the calls ring; once all are, those whose reply
+        ring the client has not reached yet."""
+        return self._calls.missing_readers() or list(range(len(self._replies), self._workers))
 
     def statistics(self) -> ClientStatistics:
         stats = self._calls.statistics()
@@ -767,6 +826,26 @@ class Client:
                 call = pending.get(cid)
                 if call is not None:
                     call._deliver(rank, ok, value)
+
+
+_running_loop = asyncio._get_running_loop  # this thread's running asyncio loop, or None
+
+
+def _loop_words() -> str:
+    """The event loop this code runs in, in words."""
+    loop = _running_loop()
+    if loop is not None and asyncio.current_task(loop) is not None:
+        kind = "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"
+        return f"the {kind} event loop at {id(loop):#x}"
+    trio = sys.modules.get("trio")
+    if trio is not None:
+        try:
+            trio.lowlevel.current_trio_token()
+        except RuntimeError:
+            pass
+        else:
+            return "a trio run"
+    return "no event loop"
 
 
 def _on_asyncio() -> bool:
