@@ -1394,6 +1394,7 @@ class _Watcher:
         self.parked: anyio.Event | None = None  # set: an async method has begun
         self.reading: anyio.CancelScope | None = None  # while it reads the ring
         self.left: anyio.Event | None = None  # set once it stopped reading
+        self.cut = 0  # the id of the call it cut short last
 
     def started(self) -> None:
         """An async method has begun (``worker.awaiting``, ``worker.since`` say which)."""
@@ -1414,7 +1415,7 @@ class _Watcher:
         worker = self.worker
         while True:
             cid = worker.awaiting
-            if not cid:
+            if not cid or cid == self.cut:
                 self.parked = anyio.Event()
                 await self.parked.wait()
                 continue
@@ -1427,6 +1428,9 @@ class _Watcher:
                     try:
                         while worker.awaiting == cid:
                             worker.take(await worker.calls.get_many())
+                            if worker.scope is not None and worker.scope.cancel_called:
+                                self.cut = cid  # the driver reads next
+                                break
                     except Exception as exc:  # the calls ended, or did not load: the driver
                         worker.failed = exc  # says so when it reads next
                         await anyio.sleep_forever()
