@@ -12,6 +12,11 @@ completion submits the next call).  Two transports are driven the same way:
   resolves an asyncio future once the call's 4 replies are in.
 
 Every reply is checked, and each worker must have served every call of the session.
+
+A session of its own (aioshmq only: zmq.asyncio has no way to withdraw a call) times a
+cancelled call: ``hold`` runs in the workers for HELD, is cancelled, and the clock runs from
+the cancel to the replies of the next call, which the workers take once they have dropped
+``hold``.
 """
 
 from __future__ import annotations
@@ -44,6 +49,9 @@ WINDOW = 256  #: calls kept in flight for the throughput figure
 SESSION_TIMEOUT = 180.0  # seconds for one session, whatever happens
 WORKER_TIMEOUT = 240.0  # seconds a worker lives at most, should its scheduler vanish
 STOP_LINGER_MS = 1000  # how long zmq may take to deliver the stop messages at close
+HELD = 0.005  #: how long (s) a call runs in the workers before it is cancelled
+HOLD = 0.1  #: how long (s) ``hold`` would run if nothing cut it short (an aioshmq without
+# cancellation reaching the workers, as measured by ``compare``, then still ends the session)
 
 
 class Echo:
@@ -56,12 +64,18 @@ class Echo:
         self.calls += 1
         return x
 
+    async def hold(self, seconds: float) -> None:
+        """Busy for ``seconds``, unless cancelled: the call that the cancelled-call session
+        withdraws (not counted among the calls)."""
+        await anyio.sleep(seconds)
+
 
 @dataclass
 class Session:
     """What one session measured, and what it did."""
 
     samples: list[float] = field(default_factory=list)  #: round trips (us), warm-up excluded
+    cancelled: list[float] = field(default_factory=list)  #: cancel to next reply (us)
     rates: list[float] = field(default_factory=list)  #: calls/s, one per window run
     counted: list[int] = field(default_factory=list)  #: calls counted in each window run
     calls: int = 0  #: calls made in all, warm-ups included: each worker served this many
@@ -140,6 +154,30 @@ async def _window(scheduler: Scheduler, budget: Budget, session: Session) -> Non
     session.counted.append(counted)
 
 
+async def _cancelled_round_trips(client: rpc.Client, budget: Budget, session: Session) -> None:
+    """``hold`` is cancelled after HELD in the workers: the time from the cancel to the
+    replies of the next call (``echo``), one at a time, after a few not counted."""
+    clock = time.perf_counter_ns
+    warmup = max(1, budget.warmup_round_trips // 50)
+    deadline = float("inf")
+    for i in range(warmup + budget.round_trips):
+        if i == warmup:
+            deadline = time.monotonic() + budget.latency_seconds
+        held = client.submit("hold", HOLD)
+        await anyio.sleep(HELD)
+        x = small_object(session.calls)
+        start = clock()
+        held.cancel()
+        replies = await client.call("echo", x)
+        took = clock() - start
+        _check(replies, session.calls)
+        session.calls += 1
+        if i >= warmup:
+            session.cancelled.append(took / 1000)
+            if time.monotonic() > deadline:
+                break
+
+
 async def _drive(scheduler: Scheduler, budget: Budget) -> Session:
     session = Session()
     await _round_trips(scheduler, budget, session)
@@ -197,7 +235,9 @@ def aioshmq_worker(link: Link, handle: rpc.RpcHandle, rank: int) -> int:
     return target.calls
 
 
-async def _aioshmq_session(budget: Budget, capacity: int, depth: int) -> Session:
+async def _aioshmq_session(
+    budget: Budget, capacity: int, depth: int, cancelled: bool = False
+) -> Session:
     with anyio.fail_after(SESSION_TIMEOUT):
         with Children() as kids:
             async with rpc.Client(workers=WORKERS, capacity=capacity, max_messages=depth) as client:
@@ -208,7 +248,11 @@ async def _aioshmq_session(budget: Budget, capacity: int, depth: int) -> Session
                     tg.start_soon(_watch, kids)
                     with anyio.fail_after(READY_TIMEOUT):
                         await client.wait_workers()
-                    session = await _drive(_AioshmqScheduler(client), budget)
+                    if cancelled:
+                        session = Session()
+                        await _cancelled_round_trips(client, budget, session)
+                    else:
+                        session = await _drive(_AioshmqScheduler(client), budget)
                     tg.cancel_scope.cancel()
                 session.stats = client.statistics()._asdict()
             served: list[int] = await anyio.to_thread.run_sync(kids.results)
@@ -390,11 +434,24 @@ def run_session(transport: Transport, budget: Budget, capacity: int, depth: int)
     return run_backend("asyncio", session_fn, budget, capacity, depth)
 
 
+def run_cancelled_session(budget: Budget, capacity: int, depth: int) -> Session:
+    """The cancelled-call session (aioshmq), the scheduler under asyncio in this process."""
+    return run_backend("asyncio", _aioshmq_session, budget, capacity, depth, True)
+
+
 def figures(session: Session) -> dict[str, float]:
     """p50 and p99 round trip (us) and the median calls/s with WINDOW calls in flight."""
-    samples = sorted(session.samples)
+    return {**_percentiles(session.samples), "throughput": statistics.median(session.rates)}
+
+
+def cancelled_figures(session: Session) -> dict[str, float]:
+    """p50 and p99 (us) from a cancel to the next call's replies."""
+    return _percentiles(session.cancelled)
+
+
+def _percentiles(samples: list[float]) -> dict[str, float]:
+    samples = sorted(samples)
     return {
         "p50": statistics.median(samples),
         "p99": samples[min(len(samples) - 1, round(0.99 * (len(samples) - 1)))],
-        "throughput": statistics.median(session.rates),
     }

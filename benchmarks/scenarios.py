@@ -65,7 +65,16 @@ from .peers import (
 from .procs import RESULT_TIMEOUT, Children, cpu_seconds, run_backend
 from .report import fmt
 from .results import Result
-from .rpc import WINDOW, WORKERS, Transport, figures, run_session
+from .rpc import (
+    HELD,
+    WINDOW,
+    WORKERS,
+    Transport,
+    cancelled_figures,
+    figures,
+    run_cancelled_session,
+    run_session,
+)
 from .workload import Budget, Workload
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -792,11 +801,20 @@ def _rpc_figures(bench: Bench, transport: Transport, params: dict[str, Any]) -> 
     return figures(session)
 
 
+def _rpc_cancelled_figures(bench: Bench, params: dict[str, Any]) -> dict[str, float]:
+    session = run_cancelled_session(bench.budget, SMALL_CAPACITY, SMALL_DEPTH)
+    params["round_trips"] = len(session.cancelled)
+    params["calls"] = session.calls
+    params["client_stats"] = session.stats
+    return cancelled_figures(session)
+
+
 def rpc(bench: Bench) -> None:
     """One async scheduler calls ``echo(x)`` on 4 worker processes, each call going to every
     worker and returning their 4 replies: round trips of one call at a time (p50, p99), and
     calls per second with 256 calls kept in flight.  One session of processes per transport
-    gives both."""
+    gives both.  A session of its own times a cancelled call: from the cancel of a call the
+    workers have run for a while to the replies of the next call (aioshmq only)."""
     hows: dict[Transport, str] = {
         "aioshmq": "rpc.Client.call/submit -> rpc.serve",
         "zmq.asyncio": "a PUSH per worker over ipc://, replies to one PULL, futures by call id",
@@ -819,6 +837,23 @@ def rpc(bench: Bench) -> None:
             absent=absent,
             cases={"throughput": f"{WINDOW} calls in flight"},
         )
+    bench.measure(
+        "rpc",
+        "a cancelled call, then the next",
+        "aioshmq",
+        {"p50": "us", "p99": "us"},
+        {
+            "workers": WORKERS,
+            "held_ms": HELD * 1000,
+            "object_bytes": 100,
+            "backend": "asyncio",
+            "how": (
+                f"submit hold() to every worker; {HELD * 1000:g} ms later cancel it and "
+                "call echo(): the time from the cancel to echo's replies"
+            ),
+        },
+        partial(_rpc_cancelled_figures, bench),
+    )
 
 
 async def _wire(peer: Peer, readers: int, messages: int) -> tuple[int, int]:

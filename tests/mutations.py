@@ -291,8 +291,8 @@ MUTATIONS = [
     Mutation(
         "rpc: one batch per loop turn",
         "aioshmq/rpc/__init__.py",
-        "                await self._calls.put_many([call._message for call in calls])",
-        "                for call in calls:\n                    await self._calls.put(call._message)",
+        "                await self._calls.put_many(messages)",
+        "                for message in messages:\n                    await self._calls.put(message)",
         "tests/test_rpc.py::test_a_batch_is_one_publish_and_one_wake_up",
     ),
     Mutation(
@@ -301,6 +301,34 @@ MUTATIONS = [
         "        except BaseException:\n            self.cancel()\n            raise",
         "        except BaseException:\n            raise",
         "tests/test_rpc.py::test_cancelled_call_is_withdrawn_and_its_late_reply_dropped",
+    ),
+    Mutation(
+        "rpc: a withdrawal cuts the awaited method short",
+        "aioshmq/rpc/__init__.py",
+        "                    self.scope.cancel()  # the method sees the cancellation where it waits",
+        "                    pass",
+        "tests/test_rpc_cancel.py::test_a_timed_out_async_call_is_cancelled_in_the_workers",
+    ),
+    Mutation(
+        "rpc: a withdrawn queued call is skipped",
+        "aioshmq/rpc/__init__.py",
+        "                    self.withdrawn.add(cid)",
+        "                    pass",
+        "tests/test_rpc_cancel.py::test_withdrawn_queued_calls_never_run",
+    ),
+    Mutation(
+        "rpc: a busy worker looks for withdrawals between calls",
+        "aioshmq/rpc/__init__.py",
+        "                    cut = self.poll(cid) or cut",
+        "                    pass",
+        "tests/test_rpc_cancel.py::test_a_withdrawn_plain_method_runs_to_its_end_and_the_worker_is_then_free",
+    ),
+    Mutation(
+        "rpc: a client refuses another event loop",
+        "aioshmq/rpc/__init__.py",
+        '        if threading.get_ident() != self._thread or _running_loop() is not self._loop:\n            self._check_loop("submit a call")',
+        "        pass",
+        "tests/test_rpc_loops.py::test_a_client_refuses_another_event_loop_of_its_thread",
     ),
     Mutation(
         "rpc: a dead worker fails the calls",

@@ -71,6 +71,7 @@ EVERY_TIMEOUT = TINY_TIMEOUT + REMOTE_TIMEOUT + NEW_PATHS_TIMEOUT
     [
         # The plumbing, in seconds.
         pytest.param(("small", "lag"), id="small-and-lag", marks=pytest.mark.slow),
+        pytest.param(("rpc",), id="rpc", marks=pytest.mark.slow),
         pytest.param(SCENARIO_NAMES, id="every-scenario", marks=pytest.mark.slow),
     ],
 )
@@ -104,17 +105,20 @@ def test_bench_tiny_run_reports_every_scenario(tmp_path: Path, only: tuple[str, 
         absent = r["note"].startswith(("not installed", "not importable"))
         assert isinstance(r["value"], float) or absent, r
     # Every peer is either measured or said to be missing, and mp.Queue is always there.
-    assert any(r["peer"] == "mp.Queue" and r["value"] is not None for r in results)
+    if "small" in only:
+        assert any(r["peer"] == "mp.Queue" and r["value"] is not None for r in results)
     if "large" in only:
         assert any(r["peer"] == "memcpy" and r["value"] is not None for r in results)
     if "latency" in only:
         assert any(r["peer"] == "eventfd" and r["value"] is not None for r in results)
     for scenario in only:
         assert f"== {scenario}:" in proc.stdout
-    assert "[small]" in proc.stderr and "mp.Queue" in proc.stderr
+    if "small" in only:
+        assert "[small]" in proc.stderr and "mp.Queue" in proc.stderr
     _check_measured_only(proc.stdout + proc.stderr + out.read_text(), results)
-    if every:
+    if "rpc" in only:
         _check_rpc_figures(results)
+    if every:
         _check_vllm_rows(results)
         _check_iceoryx2_rows(results)
         _check_remote_rows(results)
@@ -231,8 +235,10 @@ def _check_iceoryx2_rows(results: list[dict[str, Any]]) -> None:
 
 def _check_rpc_figures(results: list[dict[str, Any]]) -> None:
     """The rpc scenario gives p50, p99 and calls/s for aioshmq and zmq.asyncio (if installed),
-    from sessions that made calls and counted some."""
-    rows = [r for r in results if r["scenario"] == "rpc"]
+    from sessions that made calls and counted some, and aioshmq's p50 and p99 of a cancelled
+    call's round trip."""
+    cancelled_case = "a cancelled call, then the next"
+    rows = [r for r in results if r["scenario"] == "rpc" and r["case"] != cancelled_case]
     wanted = {
         ("one call at a time", "p50", "us"),
         ("one call at a time", "p99", "us"),
@@ -254,6 +260,22 @@ def _check_rpc_figures(results: list[dict[str, Any]]) -> None:
             stats = mine[0]["params"]["client_stats"]
             assert stats["calls_submitted"] == mine[0]["params"]["calls"]
             assert stats["replies_received"] == 4 * stats["calls_submitted"]
+            assert stats["calls_cancelled"] == 0
+    # A session of its own: each echo call follows a hold call, cancelled in the workers
+    # (each of the 4 answers it, with nothing); aioshmq only.
+    cancelled = [r for r in results if r["scenario"] == "rpc" and r["case"] == cancelled_case]
+    assert {(r["peer"], r["metric"], r["unit"]) for r in cancelled} == {
+        ("aioshmq", "p50", "us"),
+        ("aioshmq", "p99", "us"),
+    }, cancelled
+    for r in cancelled:
+        assert isinstance(r["value"], float) and r["value"] > 0, r
+        params = r["params"]
+        assert params["workers"] == 4 and params["round_trips"] >= 1
+        stats = params["client_stats"]
+        assert stats["calls_submitted"] == 2 * params["calls"]
+        assert stats["calls_cancelled"] == params["calls"]
+        assert stats["replies_received"] == 4 * stats["calls_submitted"]
 
 
 PAIRED = ("aioshmq", "pyzmq-curve", "aioshmq-plain", "pyzmq")  # encrypted, then plain

@@ -29,6 +29,7 @@ HEARTBEAT = 1.5
 class Target:
     def __init__(self, rank: int) -> None:
         self.rank = rank
+        self.finals = 0
 
     def whoami(self) -> int:
         return self.rank
@@ -45,6 +46,15 @@ class Target:
 
     def hang(self) -> None:
         time.sleep(600)
+
+    async def slow(self, seconds: float) -> None:
+        try:
+            await anyio.sleep(seconds)
+        finally:
+            self.finals += 1
+
+    def finals_run(self) -> int:
+        return self.finals
 
 
 def _worker(where: Any, rank: int, backend: str, sync: bool) -> None:
@@ -128,6 +138,28 @@ async def test_a_killed_remote_worker_fails_the_calls_within_the_heartbeat(
     for rank in (0, 1, 2):
         await anyio.to_thread.run_sync(procs[rank].join, 30)
         assert procs[rank].exitcode == 0
+
+
+@pytest.mark.timeout(90)
+async def test_a_timed_out_call_is_cancelled_in_remote_and_local_workers(
+    children: Children,
+) -> None:
+    """The withdrawal travels the call ring like the calls: a remote worker cancels the
+    method too (its finally runs), and the next call comes back at once."""
+    slow = 20.0
+    client = rpc.Client(2, listen="tcp://127.0.0.1:0", secret=SECRET, heartbeat=HEARTBEAT)
+    async with client:
+        await _start(children, client, "asyncio", {1})
+        with anyio.fail_after(60):
+            assert await client.call("whoami") == [0, 1]
+            with anyio.move_on_after(0.5) as scope:
+                await client.call("slow", slow)
+            assert scope.cancelled_caught
+            began = time.monotonic()
+            assert await client.call("finals_run") == [1, 1]
+            assert time.monotonic() - began < slow / 2
+            assert client.statistics().calls_cancelled == 1
+    children.join(30)
 
 
 def test_remote_options_go_with_an_address() -> None:

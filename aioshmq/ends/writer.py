@@ -839,6 +839,12 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         log.info("ring %r: reader slot %d dropped", self._name, index)
         self._wake.signal()
 
+    def missing_readers(self) -> list[int]:
+        """The reader slots that no live reader holds now (never attached, left, or died):
+        those ``wait_readers`` still waits for."""
+        self._check()
+        return [i for i, state in enumerate(self._gate.states()) if state != ATTACHED]
+
     def _all_attached(self) -> bool:
         self._check_readers()
         return all(state == ATTACHED for state in self._gate.states())

@@ -3,6 +3,8 @@
 The scheduler's ``Client`` writes every call into one broadcast ring read by all workers;
 each worker answers through a reply ring of its own.  Calls submitted in one event-loop
 turn leave as one batch: one record, one publish, at most one wake-up per sleeping worker.
+A call cancelled after it was sent is withdrawn in the next batch: the workers skip it, or
+cut it short.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ import logging
 import os
 import pickle
 import secrets
+import sys
+import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Awaitable, Callable, Generator, Iterable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, NamedTuple, NoReturn
@@ -53,11 +57,19 @@ _log = logging.getLogger("aioshmq.rpc")
 REPLY_CAPACITY = 8 << 20  #: default bytes of each worker's reply ring
 FLUSH_AFTER = 0.0005  #: a worker holds finished replies back at most this long (s) for a batch
 RECEIVE_BATCH = 128  #: replies the client handles per step: bounds the time between yields
+POLL_AFTER = 0.0005  #: a busy worker looks for withdrawals between calls at most this often (s)
+WATCH_AFTER = 0.001  #: once an async method has run this long (s), its withdrawal is watched for
 _ALL = -1  # in a call message: every worker that runs the call replies
+_WITHDRAW = 0  # the id of a withdrawal message: call ids start at 1
+_READ = object()  # a worker's call processor has run every call it holds: read the ring
+_CUT = object()  # sent to the call processor: the awaited call was withdrawn meanwhile
 
 # A call on the wire: (id, method, args, kwargs, ranks that run it or None for all, the one
-# rank that replies or _ALL).  A reply: (id, ok, result) or (id, False, (exception, text));
-# with a pickle serializer the result or exception travels boxed (see _Boxed).
+# rank that replies or _ALL).  A withdrawal: (_WITHDRAW, ids of calls sent earlier).  A
+# reply: (id, ok, result) or (id, False, (exception, text)); with a pickle serializer the
+# result or exception travels boxed (see _Boxed).  A worker that skipped a withdrawn call,
+# or cut it short, still answers it, with (id, True, None): each call it was to answer gets
+# one reply, so a reply that does not load is still matched to its call.
 _Message = tuple[int, Any, tuple[Any, ...], dict[str, Any], tuple[int, ...] | None, int]
 _Reply = tuple[Any, ...]
 
@@ -175,12 +187,20 @@ class ClientStatistics(NamedTuple):
     batches_sent: int  #: publishes of the call ring: batches of calls made visible at once
     replies_received: int  #: replies read from the workers
     wakeups_sent: int  #: wake-up syscalls made to sleeping workers
+    calls_cancelled: int  #: calls withdrawn (cancel(), or their awaiting task cancelled)
 
 
 class Call:
     """A submitted call: ``await`` it for its result (a list, or one value with
-    ``unique_reply_rank``).  Cancelling the task that awaits it withdraws the call: it is
-    not sent if it is still queued, and its replies are dropped when they arrive."""
+    ``unique_reply_rank``).
+
+    Cancelling the task that awaits it (a timeout, say) withdraws the call, as
+    ``cancel()`` does: it is not sent if it is still queued; otherwise the workers are told,
+    with the next batch of calls.  A worker that has not started it skips it; one running
+    it as an ``async def`` under ``serve`` cancels it (the method sees the cancellation,
+    its ``finally`` blocks run) and goes on with the next call; a plain method runs to its
+    end and its result is dropped.
+    """
 
     __slots__ = (
         "_client",
@@ -217,9 +237,15 @@ class Call:
         return not self._missing or self._error is not None
 
     def cancel(self) -> None:
-        """Withdraw the call; awaiting it afterwards raises ``anyio.ClosedResourceError``."""
-        if not self.done():
-            self._finish(anyio.ClosedResourceError(f"call {self.id} ({self.method}) was withdrawn"))
+        """Withdraw the call (see the class); awaiting it afterwards raises
+        ``anyio.ClosedResourceError``.  Nothing happens if its result is in already."""
+        if self.done():
+            return
+        client = self._client
+        client._check_loop("cancel a call")
+        sent = self._message is None or self in client._sending
+        self._finish(anyio.ClosedResourceError(f"call {self.id} ({self.method}) was withdrawn"))
+        client._withdrawn(self.id, sent)
 
     def _deliver(self, rank: int, ok: bool, value: Any) -> None:
         if rank not in self._missing:
@@ -283,6 +309,9 @@ class Call:
                 client._next_yield = now + YIELD_INTERVAL
                 await checkpoint()
             return self._outcome()
+        client = self._client
+        if threading.get_ident() != client._thread or _running_loop() is not client._loop:
+            client._check_loop("await a call")
         if self._event is None:
             self._event = anyio.Event()
         try:
@@ -382,6 +411,8 @@ class Client:
         self._replies: list[Reader[Any]] = []
         self._pending: dict[int, Call] = {}
         self._outbox: list[Call] = []
+        self._sending: Sequence[Call] = ()  # the calls of the batch being written now
+        self._cancels: list[int] = []  # ids of sent calls withdrawn since the last batch
         self._expected: list[deque[int]] = [deque() for _ in range(workers)]
         self._ids = itertools.count(1)
         self._kick: anyio.Event | None = None
@@ -392,8 +423,11 @@ class Client:
         self._host: asyncio.Task[None] | None = None  # (asyncio keeps only weak references)
         self._failure: BaseException | None = None
         self._closed = False
-        self._submitted = self._received = 0
+        self._submitted = self._received = self._cancelled = 0
         self._next_yield = 0.0
+        self._loop: object = None  # the asyncio loop running in the thread that entered it
+        self._thread = 0  # that thread
+        self._owner = ""  # both, in words
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
@@ -430,6 +464,9 @@ class Client:
         self._stop = anyio.Event()
         self._stopped = anyio.Event()
         entered = anyio.Event()
+        self._loop = _running_loop()
+        self._thread = threading.get_ident()
+        self._owner = f"{_loop_words()} in thread {threading.current_thread().name!r}"
         if _on_asyncio():
             self._host = asyncio.get_running_loop().create_task(
                 self._run_host(entered), name=f"aioshmq.rpc client {self.name}"
@@ -466,6 +503,8 @@ class Client:
 
     async def _close(self) -> None:
         """Fail the calls, end the host task and wait until it has closed the rings."""
+        if self._stopped is not None and not self._stopped.is_set():
+            self._check_loop("close it")
         self._shut(anyio.ClosedResourceError("the aioshmq.rpc client was closed"))
         if self._stop is None or self._stopped is None:  # never started: no host task
             self._release()
@@ -522,6 +561,7 @@ class Client:
         for call in list(self._pending.values()):
             call._finish(_fresh(self._failure))  # each its own: raised in its own task
         self._outbox.clear()
+        self._cancels.clear()
         if self._ready is not None:
             self._ready.set()
         if self._kick is not None:
@@ -530,6 +570,37 @@ class Client:
     def _raise_failure(self) -> None:
         if self._failure is not None:
             raise _fresh(self._failure)
+
+    def _check_loop(self, what: str) -> None:
+        """Refuse at once a use from another event loop or thread than the one that entered
+        the client: its tasks and events live there, so it could only wait forever."""
+        if self._stop is None or (
+            threading.get_ident() == self._thread and _running_loop() is self._loop
+        ):
+            return
+        if threading.get_ident() != self._thread:
+            here = f"thread {threading.current_thread().name!r}"
+        else:
+            words = _loop_words()
+            here = (
+                "outside an event loop"
+                if words == "no event loop"
+                else f"another event loop ({words})"
+            )
+        raise RuntimeError(
+            f"aioshmq.rpc client {self.name!r} belongs to the event loop that entered it "
+            f"({self._owner}): it cannot {what} from {here}, where it would wait forever.  "
+            "Use it from tasks of that loop (with pytest-asyncio, run the test in the loop "
+            "scope of the fixture that opened the client), or open a client in this loop"
+        )
+
+    def _withdrawn(self, cid: int, sent: bool) -> None:
+        """Count a withdrawn call; if it was sent, tell the workers with the next batch."""
+        self._cancelled += 1
+        if sent and self._failure is None:
+            self._cancels.append(cid)
+            if self._kick is not None:
+                self._kick.set()
 
     # -- calls -------------------------------------------------------------------------------
 
@@ -554,6 +625,8 @@ class Client:
             raise anyio.ClosedResourceError("the aioshmq.rpc client is closed")
         if self._stop is None:
             raise RuntimeError("start the client first: async with client: ...")
+        if threading.get_ident() != self._thread or _running_loop() is not self._loop:
+            self._check_loop("submit a call")
         if not (isinstance(method, str) and method) and not callable(method):
             raise TypeError(f"method must be a method name or a function, not {method!r}")
         n = self._workers
@@ -597,12 +670,32 @@ class Client:
         )
         return await call.wait()
 
-    async def wait_workers(self) -> None:
-        """Return once every worker has attached (PeerDied if one died meanwhile)."""
+    async def wait_workers(self, timeout: float | None = None) -> None:
+        """Return once every worker has attached (PeerDied if one died meanwhile).
+
+        With ``timeout`` (seconds), raise ``TimeoutError`` naming the workers still missing
+        if they have not all attached by then.
+        """
         if self._ready is None:
             raise RuntimeError("start the client first: async with client: ...")
-        await self._ready.wait()
+        self._check_loop("wait for its workers")
+        with anyio.move_on_after(timeout):
+            await self._ready.wait()
         self._raise_failure()
+        if not self._ready.is_set():
+            missing = self._missing_workers()
+            raise TimeoutError(
+                f"aioshmq.rpc client {self.name!r}: worker{'s' if len(missing) > 1 else ''} "
+                f"{', '.join(map(str, missing))} (of {self._workers}) did not attach within "
+                f"{timeout} s: each rank needs a process that runs "
+                "aioshmq.rpc.serve(client.handle, rank, target) (or serve_sync); check that "
+                "those were started and are still alive"
+            )
+
+    def _missing_workers(self) -> list[int]:
+        """The ranks not yet attached to the calls ring; once all are, those whose reply
+        ring the client has not reached yet."""
+        return self._calls.missing_readers() or list(range(len(self._replies), self._workers))
 
     def statistics(self) -> ClientStatistics:
         stats = self._calls.statistics()
@@ -613,6 +706,7 @@ class Client:
             batches_sent=stats.publishes,
             replies_received=self._received,
             wakeups_sent=stats.wakeups_sent,
+            calls_cancelled=self._cancelled,
         )
 
     # -- the client's tasks ------------------------------------------------------------------
@@ -687,28 +781,41 @@ class Client:
         return mirror.attach(link, 10.0, self._spin)  # type: ignore[no-any-return]
 
     async def _send(self) -> None:
-        """Write what was submitted, as one batch per wake of this task."""
+        """Write what was submitted, as one batch per wake of this task; the withdrawals of
+        calls sent earlier go first in it."""
         while self._failure is None:
-            if not self._outbox:
+            if not self._outbox and not self._cancels:
                 self._kick = anyio.Event()
                 await self._kick.wait()
                 continue
             batch, self._outbox = self._outbox, []
             calls = [call for call in batch if call._message is not None]
-            if not calls:
+            messages: list[Any] = [call._message for call in calls]
+            cancels = len(self._cancels)
+            if cancels:
+                messages.insert(0, (_WITHDRAW, tuple(self._cancels)))
+            elif not calls:
                 continue
+            self._sending = calls  # a call withdrawn meanwhile is on its way: tell the workers
             try:
-                await self._calls.put_many([call._message for call in calls])
+                await self._calls.put_many(messages)
             except (anyio.ClosedResourceError, anyio.BrokenResourceError) as exc:
                 if isinstance(exc, PeerDied):
                     exc = _worker_died(exc.index or 0, exc.pid, "")
                 self._fail(exc)
                 return
             except Exception as exc:  # a call's arguments did not serialize
+                if calls:  # none was sent: none of them is to be withdrawn at the workers
+                    unsent = {call.id for call in calls}
+                    self._cancels = [cid for cid in self._cancels if cid not in unsent]
                 calls = self._drop_unserializable(calls, exc)
                 if calls:
                     self._outbox[:0] = calls
                 continue
+            finally:
+                self._sending = ()
+            if cancels:
+                del self._cancels[:cancels]
             for call in calls:
                 call._message = None
                 for rank in call._missing:
@@ -778,6 +885,26 @@ class Client:
                     call._deliver(rank, ok, value)
 
 
+_running_loop = asyncio._get_running_loop  # this thread's running asyncio loop, or None
+
+
+def _loop_words() -> str:
+    """The event loop this code runs in, in words."""
+    loop = _running_loop()
+    if loop is not None and asyncio.current_task(loop) is not None:
+        kind = "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"
+        return f"the {kind} event loop at {id(loop):#x}"
+    trio = sys.modules.get("trio")
+    if trio is not None:
+        try:
+            trio.lowlevel.current_trio_token()
+        except RuntimeError:
+            pass
+        else:
+            return "a trio run"
+    return "no event loop"
+
+
 def _on_asyncio() -> bool:
     """Whether this is an asyncio task (not trio, nor trio run as a guest of asyncio)."""
     try:
@@ -845,6 +972,14 @@ class _Worker:
     ) -> None:
         self.target = target
         self.type_names: dict[type, str] = {}
+        self.queue: deque[Any] = deque()  # calls read from the ring, not yet run
+        self.withdrawn: set[int] = set()  # ids of calls in the queue (or still in the ring)
+        self.looked = 0.0  # when the ring was last read
+        self.last = 0  # the id of the call run last (or being run)
+        self.awaiting = 0  # the id of the call whose async method is being awaited
+        self.since = 0.0  # when that began
+        self.scope: anyio.CancelScope | None = None  # cancelled to cut that call short
+        self.failed: Exception | None = None  # what the watcher got from the ring, for later
         if isinstance(handle, str) and handle.startswith(("tcp://", "ipc://")):
             options = options or _RemoteOptions()
             self._serve_remote(handle, rank, serializer, capacity, spin, options)
@@ -948,48 +1083,128 @@ class _Worker:
             return fail, reply
         return functools.partial(fn, *args, **kwargs), reply
 
-    def process(
-        self, batch: Iterable[_Message], awaits: bool
-    ) -> Generator[list[_Reply] | Awaitable[Any], Any, None]:
-        """Run the calls of ``batch`` in order and build their replies: the one batch
-        processor of ``serve`` and ``serve_sync``, which differ only in how they wait.
-
-        Yields what its driver must do: a list of replies to send now (at the end of the
-        batch, or as soon as the first of them has waited FLUSH_AFTER), or, only if
-        ``awaits``, the awaitable an async method returned, whose result the driver sends
-        back (or whose exception it throws in).  Without ``awaits`` an async method is an
-        error reply.
-        """
-        out: list[_Reply] = []
-        since = 0.0
-        for message in batch:
-            run, reply = self.start(message)
-            if run is None:
+    def take(self, messages: list[Any], current: int = 0) -> bool:
+        """Queue the calls of ``messages`` and act on the withdrawals among them; whether
+        they withdraw call ``current``, which has just run (its result is then dropped)."""
+        self.looked = time.monotonic()
+        for message in messages:
+            if not message[0]:
+                break
+        else:
+            self.queue.extend(messages)
+            return False
+        cut = False
+        for message in messages:
+            if message[0]:
+                self.queue.append(message)
                 continue
-            cid = message[0]
+            for cid in message[1]:
+                if cid > self.last:  # queued, or still in the ring: skip it when it comes
+                    self.withdrawn.add(cid)
+                elif cid == self.awaiting and self.scope is not None:
+                    self.scope.cancel()  # the method sees the cancellation where it waits
+                elif cid == current:
+                    cut = True
+        return cut
+
+    def read_now(self, messages: list[Any]) -> None:
+        """Append every message waiting in the ring now (the next read reports its end)."""
+        calls = self.calls
+        while True:
             try:
-                result = run()
-                if inspect.isawaitable(result):
-                    if not awaits:
-                        close = getattr(result, "close", None)
-                        if close is not None:
-                            close()  # never awaited: no "was never awaited" warning
-                        raise TypeError(f"{message[1]!r} is async: serve it with aioshmq.rpc.serve")
-                    result = yield result
-            except Exception as exc:
-                answer = self.error(cid, exc, reply, message[1])
-            else:
-                answer = self.result(cid, result) if reply else None
-            if answer is not None:
+                messages.append(calls.get_nowait())
+            except (Empty, anyio.EndOfStream, PeerDied):
+                return
+
+    def poll(self, current: int) -> bool:
+        """Between calls: take what came meanwhile; whether it withdraws call ``current``."""
+        messages: list[Any] = []
+        try:
+            self.read_now(messages)
+        finally:
+            cut = self.take(messages, current)
+        return cut
+
+    def skipped(self, message: _Message) -> _Reply | None:
+        """The answer to a withdrawn call that was never run, if this worker was to answer."""
+        targets, unique = message[4], message[5]
+        if targets is not None and self.rank not in targets:
+            return None
+        return (message[0], True, None) if unique == _ALL or unique == self.rank else None
+
+    def process(self, awaits: bool) -> Generator[Any, Any, None]:
+        """Run the queued calls in order and build their replies, for as long as the
+        driver goes on: the one call processor of ``serve`` and ``serve_sync``, which
+        differ only in how they wait.
+
+        Yields what its driver must do: ``_READ`` when it has run every queued call (the
+        driver reads the ring, then ``take``s what it read), a list of replies to send now
+        (before reading, or as soon as the first of them has waited FLUSH_AFTER), or, only
+        if ``awaits``, the awaitable an async method returned, whose result the driver
+        sends back (or whose exception it throws in; ``_CUT`` if the call was withdrawn
+        meanwhile).  Without ``awaits`` an async method is an error reply.  A withdrawn
+        call is skipped, or its result dropped: it is answered with (id, True, None).
+        Once POLL_AFTER has passed since the ring was last read, a call that ends looks
+        at it for withdrawals.
+        """
+        queue, withdrawn = self.queue, self.withdrawn
+        out: list[_Reply] = []
+        since = poll_at = 0.0
+        cid = 0
+        while True:
+            if not queue:
+                if out:
+                    yield out
+                    out = []
+                self.last = cid
+                yield _READ
+                poll_at = self.looked + POLL_AFTER
+                continue
+            message = queue.popleft()
+            cid = message[0]
+            if withdrawn and cid in withdrawn:
+                withdrawn.discard(cid)
+                answer = self.skipped(message)
                 now = time.monotonic()
+            else:
+                run, reply = self.start(message)
+                if run is None:
+                    continue
+                failure: Exception | None = None
+                try:
+                    result = run()
+                    if inspect.isawaitable(result):
+                        if not awaits:
+                            close = getattr(result, "close", None)
+                            if close is not None:
+                                close()  # never awaited: no "was never awaited" warning
+                            raise TypeError(
+                                f"{message[1]!r} is async: serve it with aioshmq.rpc.serve"
+                            )
+                        self.last = self.awaiting = cid
+                        result = yield result
+                        poll_at = self.looked + POLL_AFTER
+                except Exception as exc:
+                    failure, result = exc, None
+                now = time.monotonic()
+                cut = result is _CUT
+                if now > poll_at:
+                    self.last = cid
+                    cut = self.poll(cid) or cut
+                    poll_at = now + POLL_AFTER
+                if cut:
+                    answer = (cid, True, None) if reply else None
+                elif failure is not None:
+                    answer = self.error(cid, failure, reply, message[1])
+                else:
+                    answer = self.result(cid, result) if reply else None
+            if answer is not None:
                 if not out:
                     since = now
                 out.append(answer)
                 if now - since > FLUSH_AFTER:
                     yield out
                     out = []
-        if out:
-            yield out
 
     def type_name(self, kind: type) -> str:
         # One string object per type: a batch's pickle then holds it once.
@@ -1099,6 +1314,9 @@ async def serve(
     """Serve ``target``'s methods as worker ``rank`` of a client, in call order.
 
     Methods may be plain or async.  Returns when the client closes or its process dies.
+    A call the client withdrew (cancelled) is skipped if it has not begun; an async method
+    running it is cancelled (its ``finally`` blocks run), a plain one runs to its end and
+    its result is dropped.
     ``spin`` is the call ring reader's (see ``aioshmq.connect``); by default the workers
     spin only if they and the scheduler each have a CPU of their own.
 
@@ -1111,35 +1329,125 @@ async def serve(
     make = functools.partial(_Worker, handle, rank, target, serializer, capacity, spin, options)
     # Across hosts the handshakes take network time: off the event loop.
     worker = make() if options is None else await anyio.to_thread.run_sync(make)
+    failure: BaseException | None = None
     try:
+        try:
+            async with anyio.create_task_group() as tg:
+                watcher = _Watcher(worker)
+                tg.start_soon(watcher.run)
+                await _serve_calls(worker, watcher)
+                tg.cancel_scope.cancel()
+        except BaseExceptionGroup as group:  # raised as itself: the watcher never fails
+            if len(group.exceptions) != 1:
+                raise
+            failure = group.exceptions[0]
+        if failure is not None:
+            raise failure
+    except PeerDied:  # the client died while a reply waited for room
+        return
+    finally:
+        failure = None
+        worker.close()
+
+
+async def _serve_calls(worker: _Worker, watcher: _Watcher) -> None:
+    """``serve``'s driving of ``process``: it reads the ring, sends the replies and awaits
+    the async methods, each in a cancel scope that a withdrawal of its call cancels."""
+    steps = worker.process(awaits=True)
+    try:
+        outcome: Any = None
+        failure: Exception | None = None
         while True:
-            try:
-                batch = await worker.calls.get_many()
-            except (anyio.EndOfStream, PeerDied):
-                return
-            steps = worker.process(batch, awaits=True)
-            try:
-                outcome: Any = None
-                failure: Exception | None = None
+            with anyio.CancelScope() as scope:
+                worker.scope = scope
                 while True:
-                    try:
-                        step = steps.send(outcome) if failure is None else steps.throw(failure)
-                    except StopIteration:
-                        break
+                    step = steps.send(outcome) if failure is None else steps.throw(failure)
                     outcome = failure = None
-                    if isinstance(step, list):
+                    if step is _READ:
+                        try:
+                            if worker.failed is not None:
+                                raise worker.failed
+                            worker.take(await worker.calls.get_many())
+                        except (anyio.EndOfStream, PeerDied):
+                            return
+                    elif type(step) is list:
                         await _send(worker, step)
                     else:
+                        worker.since = time.monotonic()
+                        watcher.started()
                         try:
                             outcome = await step
                         except Exception as exc:
                             failure = exc
-            finally:
-                steps.close()
-    except PeerDied:  # the client died while a reply waited for room
-        return
+                        finally:
+                            worker.awaiting = 0
+                            if watcher.reading is not None:
+                                await watcher.stop()
+                        if scope.cancel_called:  # withdrawn, though it ended by itself
+                            break
+            # The awaited call was withdrawn: the scope caught its cancellation (or it
+            # ended anyway), and is spent.  Go on in a new one.
+            outcome, failure = _CUT, None
     finally:
-        worker.close()
+        steps.close()
+
+
+class _Watcher:
+    """``serve``'s second task.  Once an async method has run WATCH_AFTER, it reads the
+    call ring until the method ends, so that a withdrawal reaches the worker at once: it
+    cancels the method if its call is withdrawn, and marks queued calls to be skipped.
+    (Shorter methods cost it nothing but a timer: it never reads the ring for them.)"""
+
+    def __init__(self, worker: _Worker) -> None:
+        self.worker = worker
+        self.parked: anyio.Event | None = None  # set: an async method has begun
+        self.reading: anyio.CancelScope | None = None  # while it reads the ring
+        self.left: anyio.Event | None = None  # set once it stopped reading
+        self.cut = 0  # the id of the call it cut short last
+
+    def started(self) -> None:
+        """An async method has begun (``worker.awaiting``, ``worker.since`` say which)."""
+        parked = self.parked
+        if parked is not None:
+            self.parked = None
+            parked.set()
+
+    async def stop(self) -> None:
+        """Make it stop reading the ring, and wait until it has: the driver reads next."""
+        assert self.reading is not None
+        self.reading.cancel()
+        self.left = left = anyio.Event()
+        with anyio.CancelScope(shield=True):
+            await left.wait()
+
+    async def run(self) -> None:
+        worker = self.worker
+        while True:
+            cid = worker.awaiting
+            if not cid or cid == self.cut:
+                self.parked = anyio.Event()
+                await self.parked.wait()
+                continue
+            due = worker.since + WATCH_AFTER - time.monotonic()
+            if due > 0:
+                await anyio.sleep(due)
+                continue
+            try:
+                with anyio.CancelScope() as self.reading:
+                    try:
+                        while worker.awaiting == cid:
+                            worker.take(await worker.calls.get_many())
+                            if worker.scope is not None and worker.scope.cancel_called:
+                                self.cut = cid  # the driver reads next
+                                break
+                    except Exception as exc:  # the calls ended, or did not load: the driver
+                        worker.failed = exc  # says so when it reads next
+                        await anyio.sleep_forever()
+            finally:
+                self.reading = None
+                if self.left is not None:
+                    self.left.set()
+                    self.left = None
 
 
 async def _send(worker: _Worker, replies: list[_Reply]) -> None:
@@ -1169,27 +1477,29 @@ def serve_sync(
     heartbeat: float = DEFAULT_HEARTBEAT,
     reply_listen: str | None = None,
 ) -> None:
-    """``serve`` for a plain process without an event loop: blocks until the client goes."""
+    """``serve`` for a plain process without an event loop: blocks until the client goes.
+
+    Its methods are plain ones: a withdrawn call runs to its end if it has begun (its
+    result is dropped), and is skipped if not."""
     options = _remote_options(handle, secret, insecure_loopback, heartbeat, reply_listen)
     worker = _Worker(handle, rank, target, serializer, capacity, 0.0, options)
+    steps = worker.process(awaits=False)
     try:
-        while True:
-            try:
-                batch = [worker.calls.get_sync()]
-            except (anyio.EndOfStream, PeerDied):
-                return
-            while True:  # and every other call waiting now, like get_many
+        for step in steps:
+            if step is _READ:
                 try:
-                    batch.append(worker.calls.get_nowait())
-                except (Empty, anyio.EndOfStream, PeerDied):  # the next get_sync says which
-                    break
-            for step in worker.process(batch, awaits=False):
-                assert isinstance(step, list)
+                    messages = [worker.calls.get_sync()]
+                except (anyio.EndOfStream, PeerDied):
+                    return
+                worker.read_now(messages)  # and every other call waiting now, like get_many
+                worker.take(messages)
+            else:
                 for reply in step:
                     _send_sync(worker, reply)
     except PeerDied:
         return
     finally:
+        steps.close()
         worker.close()
 
 
