@@ -496,6 +496,7 @@ _INHERITED_CALLS: dict[str, dict[str, Callable[[Any], Any]]] = {
         "wait_readers_sync": lambda w: w.wait_readers_sync(timeout=5),
         "drop_reader": lambda w: w.drop_reader(0),
         "remote_reader": lambda w: w.remote_reader(0),
+        "missing_readers": lambda w: w.missing_readers(),
         "statistics": lambda w: w.statistics(),
     },
     "Reader": {
