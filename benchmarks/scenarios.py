@@ -744,42 +744,26 @@ def lag(bench: Bench) -> None:
         measure,
         absent=_numpy_missing(),
     )
-    bench.measure(
-        "lag",
-        f"{count} x 1 MiB to 2 remote readers",
-        "aioshmq",
-        {**gap_units, "throughput": "GB/s"},
-        {
-            "bytes": count * nbytes,
-            "message_bytes": nbytes,
-            "readers": 2,
-            "tick_ms": 1.0,
-            "capacity": SMALL_CAPACITY,
-            "backend": "asyncio",
-            "how": f"{AIOSHMQ_REMOTE.how}; a ticker task in each of the 3 loops",
-        },
-        partial(measure, peer=AIOSHMQ_REMOTE),
-        absent=_numpy_missing() or AIOSHMQ_REMOTE.missing(),
-    )
-    # The same without CURVE: what the encryption's CPU, on as few cores as there are
+    # Plain beside CURVE: what the encryption's CPU, on as few cores as there are
     # processes, adds to the lag.
-    bench.measure(
-        "lag",
-        f"{count} x 1 MiB to 2 remote readers",
-        "aioshmq-plain",
-        {**gap_units, "throughput": "GB/s"},
-        {
-            "bytes": count * nbytes,
-            "message_bytes": nbytes,
-            "readers": 2,
-            "tick_ms": 1.0,
-            "capacity": SMALL_CAPACITY,
-            "backend": "asyncio",
-            "how": f"{AIOSHMQ_PLAIN.how}; a ticker task in each of the 3 loops",
-        },
-        partial(measure, peer=AIOSHMQ_PLAIN),
-        absent=_numpy_missing() or AIOSHMQ_PLAIN.missing(),
-    )
+    for peer in (AIOSHMQ_REMOTE, AIOSHMQ_PLAIN):
+        bench.measure(
+            "lag",
+            f"{count} x 1 MiB to 2 remote readers",
+            peer.name,
+            {**gap_units, "throughput": "GB/s"},
+            {
+                "bytes": count * nbytes,
+                "message_bytes": nbytes,
+                "readers": 2,
+                "tick_ms": 1.0,
+                "capacity": SMALL_CAPACITY,
+                "backend": "asyncio",
+                "how": f"{peer.how}; a ticker task in each of the 3 loops",
+            },
+            partial(measure, peer=peer),
+            absent=_numpy_missing() or peer.missing(),
+        )
     bench.measure(
         "lag",
         case,
