@@ -34,9 +34,10 @@ class _Pair:
 class ChaosProxy:
     """Listens on 127.0.0.1; each connection is carried to ``target`` (host, port).  Every
     ``every`` seconds on average it resets every connection it carries; with probability
-    ``ack_cut`` it resets a connection instead of passing an acknowledgement on.  The first
+    ``ack_cut`` it resets a connection instead of passing an acknowledgement on (the first
+    ``acks_to_lose`` times, if given).  The first
     ``greet_and_reset`` connections are reset as soon as the writer's greeting passed (a
-    handshake cut short)."""
+    handshake cut short).  ``cut()`` resets every connection at once."""
 
     def __init__(
         self,
@@ -46,11 +47,13 @@ class ChaosProxy:
         ack_cut: float = 0.0,
         seed: int = 0,
         greet_and_reset: int = 0,
+        acks_to_lose: int | None = None,
     ) -> None:
         self._target = target
         self._every = every
         self._ack_cut = ack_cut
         self._doom = greet_and_reset
+        self._acks_to_lose = acks_to_lose
         self.accepted = 0  #: connections carried
         self._rng = random.Random(seed)
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -60,8 +63,17 @@ class ChaosProxy:
         self.acks_lost = 0  #: connections reset with an acknowledgement dropped
         self._pairs: list[_Pair] = []
         self._stop_r, self._stop_w = socket.socketpair()
+        self._cut_done = threading.Semaphore(0)
         self._thread = threading.Thread(target=self._run, name="chaos-proxy", daemon=True)
         self._thread.start()
+
+    def cut(self) -> int:
+        """Reset every connection the proxy carries now; returns how many it reset."""
+        before = self.cuts
+        self._stop_w.send(b"c")
+        if not self._cut_done.acquire(timeout=10):
+            raise TimeoutError("the proxy's thread did not cut within 10 s")
+        return self.cuts - before
 
     def close(self) -> None:
         self._stop_w.send(b"x")
@@ -86,20 +98,28 @@ class ChaosProxy:
             left = next_cut - time.monotonic()
             events = sel.select(None if left == float("inf") else max(left, 0.0))
             if time.monotonic() >= next_cut:
-                for pair in list(self._pairs):
-                    self._drop(sel, pair)
-                    self.cuts += 1
+                self._cut_all(sel)
                 next_cut = self._next_cut()
             for key, _ in events:
                 if key.data == "stop":
-                    sel.close()
-                    return
+                    for command in self._stop_r.recv(64):
+                        if command == ord("x"):
+                            sel.close()
+                            return
+                        self._cut_all(sel)
+                        self._cut_done.release()
+                    continue
                 if key.data == "accept":
                     self._accept(sel)
                     continue
                 pair, from_reader = key.data
                 if pair in self._pairs:
                     self._carry(sel, pair, from_reader)
+
+    def _cut_all(self, sel: selectors.BaseSelector) -> None:
+        for pair in list(self._pairs):
+            self._drop(sel, pair)
+            self.cuts += 1
 
     def _next_cut(self) -> float:
         if self._every == float("inf"):
@@ -177,7 +197,11 @@ class ChaosProxy:
             frame = bytes(buf[: start + size])
             del buf[: start + size]
             is_ack = not flags & 0x04 and size == ACK_SIZE and body[:1] == ACK
-            if is_ack and self._rng.random() < self._ack_cut:
+            if (
+                is_ack
+                and self._rng.random() < self._ack_cut
+                and (self._acks_to_lose is None or self.acks_lost < self._acks_to_lose)
+            ):
                 out.append(None)
                 return out
             out.append(frame)

@@ -13,7 +13,11 @@ from _chaos import ChaosProxy
 
 import aioshmq
 
-HEARTBEAT = 1.0
+# The default heartbeat: one process hosts the writer, its server thread, the reader and the
+# proxy, sharing one interpreter lock on a machine that may be loaded, and a heartbeat must
+# be longer than the longest stall of either side (docs/remote.md).  With connections cut
+# every few tenths of a second, a much shorter one takes a starved side for a dead one.
+HEARTBEAT = 3.0
 
 
 def _stream(*, messages: int | None, seconds: float | None, every: float, seed: int) -> Any:
@@ -86,3 +90,56 @@ def test_soak_hundreds_of_cuts() -> None:
     # Not a speed floor (most of the time goes to reconnecting): enough messages that the
     # cuts fall at every moment of the protocol, between and inside runs.
     assert n > 10_000
+
+
+@pytest.mark.timeout(60)
+def test_a_dropped_connection_goes_on_at_once_not_at_the_next_heartbeat() -> None:
+    """Once a connection is back, the writer asks the reader where it is and the stream
+    goes on from there at once, even with records lost in the dropped connection or sent
+    while it was down; it does not wait for either side's next heartbeat (a third of
+    ``heartbeat``, 10 s here)."""
+    heartbeat = 30.0
+    w = aioshmq.create(
+        1 << 16, 32, listen="tcp://127.0.0.1:0", insecure_loopback=True, heartbeat=heartbeat
+    )
+    assert w.address is not None
+    port = int(w.address.rsplit(":", 1)[1])
+    with w, ChaosProxy(("127.0.0.1", port)) as proxy:
+        with aioshmq.connect(proxy.address, insecure_loopback=True, heartbeat=heartbeat) as r:
+            w.put_sync("first")
+            assert r.get_sync(timeout=10) == "first"
+            for round_ in range(3):
+                assert proxy.cut() == 1
+                # Sent while the connection is down, or into the one being reset.
+                for i in range(10):
+                    w.put_sync((round_, i), timeout=10)
+                got = [r.get_sync(timeout=heartbeat / 6) for _ in range(10)]
+                assert got == [(round_, i) for i in range(10)]
+
+
+@pytest.mark.timeout(60)
+def test_the_last_acknowledgement_lost_is_said_again_at_goodbye() -> None:
+    """The reader's acknowledgement of the end goes with its connection, and the reader
+    closes at once: it says it again at goodbye, so the writer's close returns within a
+    round trip of the reconnection, with no reader taken for dead (it waited out the
+    heartbeat, 30 s here, and reported a dead reader)."""
+    heartbeat = 30.0
+    w = aioshmq.create(
+        1 << 16, 32, listen="tcp://127.0.0.1:0", insecure_loopback=True, heartbeat=heartbeat
+    )
+    assert w.address is not None
+    port = int(w.address.rsplit(":", 1)[1])
+    relay = w._relay
+    with ChaosProxy(("127.0.0.1", port), ack_cut=1.0, acks_to_lose=1) as proxy:
+        r = aioshmq.connect(proxy.address, insecure_loopback=True, heartbeat=heartbeat)
+        with r:
+            w.put_sync("only")
+            assert r.get_sync(timeout=10) == "only"
+            closer = threading.Thread(target=w.close)
+            closer.start()
+            with pytest.raises(anyio.EndOfStream):
+                r.get_sync(timeout=10)
+        closer.join(heartbeat / 3)
+        assert not closer.is_alive(), "the writer's close waited for the lost acknowledgement"
+        assert proxy.acks_lost == 1  # it was the end's: one message acknowledges no earlier
+    assert relay.deaths == 0

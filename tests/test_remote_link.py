@@ -91,6 +91,28 @@ async def test_every_message_once_in_order_then_end_of_stream(listen: str) -> No
     assert all(_same(a, b) for a, b in zip(sent, got, strict=True))
 
 
+async def test_aclose_delivers_the_end_off_the_loop_that_serves_a_remote_reader() -> None:
+    """The writer's ``aclose`` and a remote reader in one event loop: the loop goes on
+    while the writer waits for the reader's last acknowledgement, so the reader takes the
+    end at once (the loop was blocked until the reader's keeper thread stepped in, a third
+    of the heartbeat later: 10 s here)."""
+    heartbeat = 30.0
+    w = aioshmq.create(4096, 4, listen="tcp://127.0.0.1:0", secret=SECRET, heartbeat=heartbeat)
+    assert w.address is not None
+    with aioshmq.connect(w.address, secret=SECRET, timeout=10, heartbeat=heartbeat) as r:
+
+        async def produce() -> None:
+            for i in range(40):  # ten rings' worth: the writer waits for room in this loop
+                await w.put(i)
+            await w.aclose()
+
+        with anyio.fail_after(heartbeat / 6):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(produce)
+                assert [msg async for msg in r] == list(range(40))
+    assert w._relay is not None and w._relay.deaths == 0
+
+
 async def test_get_many_get_nowait_get_sync_lease_and_statistics(listen: str) -> None:
     w, r = remote_pair(listen, capacity=1 << 20)
     with w, r:

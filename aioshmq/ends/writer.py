@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import pickle
 import secrets
@@ -145,8 +144,12 @@ class RelayServer(Protocol):
     def address(self) -> str:
         """The endpoint it is bound to."""
 
-    def finish(self) -> None:
-        """Send the remote readers the rest and the end, then stop (the writer closed)."""
+    def finish(self, wait: bool = True) -> None:
+        """Send the remote readers the rest and the end, then stop (the writer closed);
+        with ``wait=False`` in a thread of its own."""
+
+    def wait_finished(self) -> None:
+        """Wait until ``finish`` (called, or yet to be) is done."""
 
     def abandon(self) -> None:
         """Stop at once, touching nothing shared (a copy inherited through fork)."""
@@ -913,10 +916,11 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
                         except Exception:  # a closed end, a dead reader: close now
                             pass
         finally:
-            if self._relay is not None and not self._closed:
-                # Remote readers get the rest first: that takes network time, off the loop.
-                await to_thread.run_sync(functools.partial(self.close, linger=0))
             self.close(linger=0)
+            if self._relay is not None and os.getpid() == self._pid and not self._forked:
+                # Remote readers get the rest first: that takes network time, off the loop
+                # (which may serve one of them, and must go on meanwhile).
+                await to_thread.run_sync(self._relay.wait_finished, abandon_on_cancel=True)
         await anyio.lowlevel.checkpoint()
 
     def _delivered(self) -> bool:
@@ -949,7 +953,8 @@ class Writer(End, ObjectSendStream[T], Generic[T]):
         if clean:
             self._ring.close(broken=self._broken)
             if self._relay is not None:
-                self._relay.finish()
+                # Never waits for the network in an event loop's thread (``aclose`` does, off it).
+                self._relay.finish(wait=not in_event_loop())
             self._broker.stop()
         else:
             if self._relay is not None:

@@ -19,7 +19,9 @@ class Guard:
     of strangers holds open meanwhile (their file descriptors and buffers)."""
 
     def __init__(self, sock: zmq.Socket[bytes]) -> None:
-        self.monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self.monitor = sock.get_monitor_socket(
+            zmq.EVENT_ACCEPTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+        )
         self._sock = sock
         self._pending: dict[int, None] = {}  # fd of each, oldest first
         self.shed = 0  #: connections shut for want of room
@@ -29,8 +31,10 @@ class Guard:
         """Connections accepted and not yet heard from."""
         return len(self._pending)
 
-    def watch(self) -> None:
-        """Take the monitor's events in; shut the oldest connections over the bound."""
+    def watch(self) -> int:
+        """Take the monitor's events in; shut the oldest connections over the bound.
+        Returns how many connections finished their handshake (a peer is back)."""
+        joined = 0
         while True:
             try:
                 frames = self.monitor.recv_multipart(zmq.NOBLOCK)
@@ -41,11 +45,13 @@ class Guard:
             self._pending.pop(fd, None)  # a number closed and given out again starts over
             if event["event"] == zmq.EVENT_ACCEPTED:
                 self._pending[fd] = None
+            joined += event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
         while len(self._pending) > MAX_UNAUTHENTICATED:
             fd = next(iter(self._pending))
             del self._pending[fd]
             _shut(fd)
             self.shed += 1
+        return joined
 
     def heard(self, frame: zmq.Frame) -> None:
         """A message arrived: its connection is through its handshake."""

@@ -272,11 +272,13 @@ class Link:
                 self._pending.append(new)
                 self._expect = new.end
         elif tag == W.BEAT:
-            sent, acked = W.unpack_beat(head)
-            if sent[0] > self._expect[0]:
-                self._resume(now)
-            elif acked[0] < self._held[0]:  # an acknowledgement went missing, or is due
+            sent, acked, answer = W.unpack_beat(head)
+            # Asked to answer, it asks again even if it just did: that went with a connection.
+            resumed = sent[0] > self._expect[0] and self._resume(now, again=answer)
+            if acked[0] < self._held[0]:  # an acknowledgement went missing, or is due
                 self._say(W.ACK, self._held, now)
+            elif answer and not resumed:  # the writer sends on once it hears from here
+                self._say(W.PING, self._held, now)
         elif tag == W.END:
             pos, count, broken = W.END_.unpack_from(head, 1)
             if (pos, count) == self._expect and self._ended is None:
@@ -305,10 +307,14 @@ class Link:
             pending.popleft()
             self._held = run.end
 
-    def _resume(self, now: float) -> None:
-        if now - self._resumed > self._beat:  # once per heartbeat: the first is enough
-            self._say(W.RESUME, self._expect, now)
-            self._resumed = now
+    def _resume(self, now: float, again: bool = False) -> bool:
+        """Ask for the records after what arrived (once per heartbeat, unless ``again``:
+        the first is enough); True if it was asked now."""
+        if now - self._resumed <= self._beat and not again:
+            return False
+        self._say(W.RESUME, self._expect, now)
+        self._resumed = now
+        return True
 
     def _say(self, tag: bytes, pos: tuple[int, int], now: float) -> None:
         """Send ``tag`` with a position; an ACK or PING acknowledges everything before it."""
@@ -346,22 +352,32 @@ class Link:
             self._sock.send(W.pack_json(W.META, meta))
 
     def say_bye(self) -> None:
-        """Give the slot up and wait (briefly) for the writer to have taken it back."""
+        """Give the slot up and wait (briefly) for the writer to have taken it back.  After
+        the end, the writer lets go as soon as it has the last acknowledgement, and says
+        so: unless it did, that acknowledgement may have gone with a connection, and is
+        said again (else the writer would wait for it, then take this reader for dead)."""
         with self._lock:
-            if self.over == "end":
-                return  # the writer let go when it had the last acknowledgement
             try:
+                if self.over is not None and self._let_go(0.0):
+                    return
                 # What it holds is acknowledged first: the slot's next holder starts after it.
                 self._sock.send(W.ACK + W.POS.pack(*self._held), zmq.NOBLOCK)
                 self._sock.send(W.BYE, zmq.NOBLOCK)
-                deadline = time.monotonic() + BYE_WAIT
-                while (left := deadline - time.monotonic()) > 0:
-                    if not self._sock.poll(int(left * 1000) + 1):
-                        break
-                    if self._sock.recv(zmq.NOBLOCK)[:1] == W.BYE_OK:
-                        break
+                self._let_go(BYE_WAIT)
             except zmq.ZMQError:
                 pass
+
+    def _let_go(self, wait: float) -> bool:
+        """Whether the writer said, within ``wait`` seconds, that it holds no slot for this
+        reader any more (what else arrives is dropped: the stream is over)."""
+        deadline = time.monotonic() + wait
+        while True:
+            while readable(self._sock):
+                if self._sock.recv_multipart(NOBLOCK)[0][:1] in (W.BYE_OK, W.REFUSE):
+                    return True
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._sock.poll(int(left * 1000) + 1):
+                return False
 
     def close(self) -> None:
         with self._lock:

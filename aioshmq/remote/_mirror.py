@@ -155,9 +155,9 @@ class Mirror:
                 link.reason = f"the mirror stopped: {exc!r}"
                 writer.close_cut_off()
                 raise
-            if stopped:
+            if stopped or link.over != "cut":
                 link.say_bye()
-            elif link.over != "end":
+            if not stopped and link.over != "end":
                 raise PeerDied(
                     f"the stream from {link.address} was cut off: {link.reason}",
                     role="writer",
@@ -370,6 +370,6 @@ class _Direct:
         self._stop.set()
         if self._keeper.is_alive() and self._keeper is not threading.current_thread():
             self._keeper.join()
-        if self._link.over is None:
+        if self._link.over != "cut":  # a writer that fell silent or gave it up holds nothing
             self._link.say_bye()
         self._mirror.close()

@@ -34,6 +34,7 @@ from ._guard import Guard
 
 ATTACH_TIMEOUT = 5.0
 PUSH_GAP = 50e-6  # s: puts closer together than this go out together, when the loop is next free
+FAREWELL_LINGER_MS = 200  # ms for the last answers to go out once the writer closed
 
 
 @dataclass(eq=False)
@@ -86,6 +87,9 @@ class Server:
         self._remotes: dict[bytes, _Remote] = {}
         self._attaching: set[int] = set()  # slots whose remote reader is being attached
         self._finishing = False
+        self._finish_lock = threading.Lock()
+        self._finish_started = False
+        self._finished = threading.Event()
         self._abandoned = False
         self._host = socket.gethostname()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context(io_threads=1)
@@ -146,6 +150,7 @@ class Server:
         poller.register(self._zap, zmq.POLLIN)
         poller.register(self._stop_r, zmq.POLLIN)
         poller.register(self._guard.monitor, zmq.POLLIN)
+        rejoined = False  # a connection finished its handshake: a reader may be back
         while True:
             with self._lock:
                 # What arrived while this thread did not run (a starved or frozen process) is
@@ -158,7 +163,7 @@ class Server:
                     if now - remote.heard > remote.heartbeat:
                         self._drop(remote, dead=True)
                         continue
-                    self._pump(remote, now)
+                    self._pump(remote, now, rejoined)
                     timeout = min(timeout, remote.heartbeat / 3)
                 if self._finishing and not self._remotes:
                     return
@@ -169,8 +174,7 @@ class Server:
                 os.read(self._stop_r, 64)  # finish(), or a push that saw news for this thread
             if self._zap in ready:
                 self._answer_zap()
-            if self._guard.monitor in ready:
-                self._guard.watch()
+            rejoined = self._guard.monitor in ready and self._guard.watch() > 0
 
     def _answer_zap(self) -> None:
         while True:
@@ -183,13 +187,16 @@ class Server:
                 self.refused += 1
             self._zap.send_multipart(reply)
 
-    def _pump(self, remote: _Remote, now: float) -> None:
+    def _pump(self, remote: _Remote, now: float, rejoined: bool = False) -> None:
         """Send what the ring holds past what this remote reader was sent; END at the end;
-        a heartbeat when there was nothing to send for a while (under the lock)."""
+        a heartbeat when there was nothing to send for a while (under the lock).  One that
+        is away is sent a heartbeat that asks for an answer, and so is every reader as soon
+        as a connection finished its handshake: one that is back (its drop perhaps not even
+        noticed here) then says where it is, and the stream goes on from there."""
         ring = remote.ring
         try:
-            if remote.away and now - remote.sent_at > remote.heartbeat / 3:
-                self._beat(remote)  # it hears from the writer, and says where it is
+            if rejoined or (remote.away and now - remote.sent_at > remote.heartbeat / 3):
+                self._beat(remote, answer=True)
             if not remote.away:
                 while (run := ring.next_run(W.CHUNK)) is not None:
                     pos, count, records = run
@@ -207,7 +214,7 @@ class Server:
                     remote.end = (ring.core.tail, ring.core.count)
                     self._send(remote, [W.END + W.END_.pack(*remote.end, ring.broken())])
                 elif now - remote.sent_at > remote.heartbeat / 3:
-                    self._beat(remote)
+                    self._beat(remote, answer=False)
                 return
         except CorruptedError:
             self._drop(remote, dead=True)
@@ -215,11 +222,13 @@ class Server:
             self._refuse(remote.rid, "evicted", str(exc), timeout=exc.timeout)
             self._drop(remote, dead=False)
 
-    def _beat(self, remote: _Remote) -> None:
-        """A heartbeat: what was sent, so a reader that misses some asks again, and what
-        was acknowledged, so a reader whose acknowledgement was lost says it again."""
+    def _beat(self, remote: _Remote, *, answer: bool) -> None:
+        """A heartbeat: what was sent, so a reader that misses some asks again, what was
+        acknowledged, so a reader whose acknowledgement was lost says it again, and whether
+        it must answer even if neither (this side waits to hear from it)."""
         core = remote.ring.core
-        self._send(remote, [W.BEAT + W.BEAT_.pack(core.tail, core.count, *remote.acked)])
+        beat = W.BEAT_.pack(core.tail, core.count, *remote.acked, answer)
+        self._send(remote, [W.BEAT + beat])
 
     def _send(self, remote: _Remote, frames: list[Any], copy: bool = True) -> None:
         try:
@@ -229,9 +238,10 @@ class Server:
                 raise
             # Its connection dropped: what was sent and not acknowledged is still in the
             # ring, and goes again once it is back.
-            remote.away = True
-            remote.ring.rewind(*remote.acked)
-            self.resends += 1
+            if not remote.away:
+                remote.away = True
+                remote.ring.rewind(*remote.acked)
+                self.resends += 1
             return
         remote.sent_at = time.monotonic()
 
@@ -252,6 +262,9 @@ class Server:
                 if tag == W.HELLO:
                     self._hello(rid, body, remote)
                 elif remote is None:
+                    if tag == W.BYE:  # it had everything, or was given up: nothing held
+                        self._bye_ok(rid)
+                        continue
                     text = "this writer holds no slot for that reader (it was given up)"
                     self._refuse(rid, "unknown", text)
                 else:
@@ -265,7 +278,7 @@ class Server:
                         remote.meta = W.unpack_json(body)
                     elif tag == W.BYE:
                         self._drop(remote, dead=False)
-                        self._router.send_multipart([rid, W.BYE_OK])
+                        self._bye_ok(rid)
             except (ValueError, zmq.ZMQError) as exc:
                 if remote is not None and rid in self._remotes:
                     self._drop(remote, dead=True)
@@ -377,6 +390,14 @@ class Server:
             ring.release_to(pos, count)
         if remote.end is not None and (pos, count) == remote.end:
             self._drop(remote, dead=False)  # it has everything: the slot is done with
+            self._bye_ok(remote.rid)  # so it need not say goodbye
+
+    def _bye_ok(self, rid: bytes) -> None:
+        """Tell a remote reader that this writer holds no slot for it any more."""
+        try:
+            self._router.send_multipart([rid, W.BYE_OK])
+        except zmq.ZMQError:  # its connection dropped: it asks again, or gives up
+            pass
 
     def _refuse(self, rid: bytes, code: str, message: str, **more: object) -> None:
         self.refused += 1
@@ -453,15 +474,38 @@ class Server:
                 return dict(remote.meta or {})
         return {} if index in self._attaching else None
 
-    def finish(self) -> None:
+    def finish(self, wait: bool = True) -> None:
         """Once the writer closed: deliver the rest to every remote reader (until each has
-        it all, or misses its heartbeats), then stop and release everything."""
-        if self._stop_w < 0:
+        it all, or misses its heartbeats), then stop and release everything.  With
+        ``wait=False`` (in an event loop's thread, which must not wait for the network: a
+        remote reader may be served by that very loop) a thread of its own does it;
+        ``wait_finished`` waits for that."""
+        with self._finish_lock:
+            start, self._finish_started = not self._finish_started, True
+        if not start:
+            if wait:
+                self._finished.wait()
+            return
+        if self._stop_w < 0:  # abandoned (a forked child's copy): nothing to deliver
+            self._finished.set()
             return
         self._finishing = True
         self._wake()
-        self._thread.join()
-        self._close_sockets()
+        if wait:
+            self._complete()
+        else:  # not a daemon: the interpreter's exit waits for the delivery
+            threading.Thread(target=self._complete, name=f"{self._thread.name}-end").start()
+
+    def wait_finished(self) -> None:
+        """Wait until a ``finish`` (called, or yet to be) has delivered and released all."""
+        self._finished.wait()
+
+    def _complete(self) -> None:
+        try:
+            self._thread.join()
+            self._close_sockets()
+        finally:
+            self._finished.set()
 
     def abandon(self) -> None:
         """In a forked child: let go of everything without touching the parent's state."""
@@ -475,9 +519,13 @@ class Server:
         guard = getattr(self, "_guard", None)
         if guard is not None:
             guard.close()
-        for sock in (getattr(self, "_router", None), getattr(self, "_zap", None)):
-            if sock is not None:
-                sock.close(linger=0)
+        router = getattr(self, "_router", None)
+        if router is not None:
+            # A moment for the last answers (each remote reader's BYE_OK) to go out.
+            router.close(linger=FAREWELL_LINGER_MS)
+        zap = getattr(self, "_zap", None)
+        if zap is not None:
+            zap.close(linger=0)
         self._ctx.term()
         for fd in (self._stop_r, self._stop_w):
             if fd >= 0:

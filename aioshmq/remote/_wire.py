@@ -24,13 +24,14 @@ META = b"M"  # + JSON: what the reader tells the writer's owner (an rpc worker's
 WELCOME = b"W"  # + JSON: the ring's bounds and serializer, the writer's pid and host
 REFUSE = b"E"  # + JSON: {"error", "message"}
 DATA = b"D"  # + RUN: raw records, as the writer's ring holds them
-BEAT = b"P"  # + BEAT_: what the writer has sent so far, and what it holds acknowledged
+BEAT = b"P"  # + BEAT_: what the writer has sent so far, what it holds acknowledged, and
+# whether it waits to hear from the reader (its connection dropped): then it answers at once
 END = b"Z"  # + END_: the stream ended (or was cut off upstream) after this position
 BYE_OK = b"b"
 
 POS = struct.Struct("<QQ")  # ring byte position, message count
 RUN = struct.Struct("<QQQQ")  # start position and count, end position and count
-BEAT_ = struct.Struct("<QQQQ")  # sent position and count, acknowledged position and count
+BEAT_ = struct.Struct("<QQQQB")  # sent position and count, acknowledged ones, 1 to answer
 END_ = struct.Struct("<QQB")  # position, count, 1 if the stream was cut off upstream
 MAX_JSON = 4096
 CONTROL_LIMIT = MAX_JSON + 64  # bytes: the largest message a writer takes from a reader
@@ -62,12 +63,13 @@ def data_limit(layout: Layout) -> int:
     return CHUNK + layout.max_record + 4096
 
 
-def unpack_beat(body: bytes | memoryview) -> tuple[tuple[int, int], tuple[int, int]]:
-    """A heartbeat's (sent position, count) and (acknowledged position, count)."""
+def unpack_beat(body: bytes | memoryview) -> tuple[tuple[int, int], tuple[int, int], bool]:
+    """A heartbeat's (sent position, count), (acknowledged position, count), and whether
+    the writer asks for an answer."""
     if len(body) != 1 + BEAT_.size:
         raise ValueError(f"a heartbeat of {len(body)} bytes")
-    sent_pos, sent_count, acked_pos, acked_count = BEAT_.unpack_from(body, 1)
-    return (sent_pos, sent_count), (acked_pos, acked_count)
+    sent_pos, sent_count, acked_pos, acked_count, answer = BEAT_.unpack_from(body, 1)
+    return (sent_pos, sent_count), (acked_pos, acked_count), answer != 0
 
 
 def unpack_pos(body: bytes | memoryview) -> tuple[int, int]:
