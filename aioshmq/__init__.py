@@ -16,7 +16,7 @@ from .ends.handle import Handle
 from .ends.reader import Lease, Reader, ReaderStatistics
 from .ends.writer import Reservation, Writer, WriterStatistics
 from .ring.switch import CORE
-from .serialize.base import BufferSerializer
+from .serialize.base import BufferSerializer, PlainSerializer
 from .serialize.msgpack import MsgpackSerializer
 from .serialize.pickling import CloudpickleSerializer, PickleSerializer, Reducer
 
@@ -33,6 +33,7 @@ __all__ = [
     "MsgpackSerializer",
     "PeerDied",
     "PickleSerializer",
+    "PlainSerializer",
     "Reader",
     "ReaderEvicted",
     "ReaderStatistics",

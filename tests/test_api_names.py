@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 import traceback
+import typing
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -109,6 +110,46 @@ def test_public_signatures_and_docstrings_name_no_private_name() -> None:
         where: PRIVATE.findall(text) for where, text in _public_texts() if PRIVATE.search(text)
     }
     assert found == {}
+
+
+def _classes_in(annotation: Any) -> Iterator[type]:
+    if isinstance(annotation, type):
+        yield annotation
+    for part in (typing.get_origin(annotation), *typing.get_args(annotation)):
+        if part is not None:
+            yield from _classes_in(part)
+
+
+def test_public_annotations_name_only_classes_users_can_import() -> None:
+    """A class of aioshmq's in a public signature (``serializer: ...`` of ``create``, say)
+    is one a namespace exports: users can name it in their own annotations, and read it on
+    the API page.  The constructors the API page hides are not public."""
+    exported = {id(getattr(space, name)) for space in _namespaces() for name in space.__all__}
+    hidden = {f"{path}.__init__" for path in _made_for_you()}
+    unexported: dict[str, set[str]] = {}
+    for space in _namespaces():
+        for name in space.__all__:
+            obj = getattr(space, name)
+            if isinstance(obj, ModuleType):
+                continue
+            where = f"{space.__name__}.{name}"
+            calls = [(where, obj)] if not inspect.isclass(obj) else []
+            if inspect.isclass(obj):
+                calls = [(f"{where}.__init__", vars(obj).get("__init__"))]
+                calls += [(f"{where}.{member}", value) for member, value in _members(obj)]
+            for at, call in calls:
+                if at in hidden or not callable(call):
+                    continue
+                try:
+                    hints = typing.get_type_hints(call)
+                except Exception:  # an exception class's, or a name only for type checkers
+                    continue
+                for hint in hints.values():
+                    for cls in _classes_in(hint):
+                        if cls.__module__.startswith("aioshmq") and id(cls) not in exported:
+                            unexported.setdefault(f"{cls.__module__}.{cls.__qualname__}", set())
+                            unexported[f"{cls.__module__}.{cls.__qualname__}"].add(at)
+    assert unexported == {}
 
 
 def test_the_classes_the_api_page_shows_without_a_constructor_exist() -> None:

@@ -19,7 +19,7 @@ from ..ends.handle import Handle
 from ..ends.reader import Reader, connect_relayed
 from ..ends.writer import MirrorWriter, OnReaderDeath, Writer
 from ..memory.notify import NotifierKind
-from ..serialize.resolve import SerializerSpec, resolve
+from ..serialize.resolve import SerializerSpec, passed_on, resolve
 from ._auth import check_address, check_security
 from ._link import Link
 
@@ -90,7 +90,7 @@ class Mirror:
                 w["capacity"],
                 w["max_messages"],
                 readers,
-                serializer=ser,
+                serializer=passed_on(ser),
                 notifier=notifier,
                 name=name,
                 on_reader_death=on_reader_death,

@@ -39,7 +39,7 @@ from ..ends.reader import DEFAULT_SPIN, Reader, connect
 from ..ends.writer import Writer
 from ..serialize.base import Buffer, Serializer
 from ..serialize.pickling import PickleSerializer
-from ..serialize.resolve import SerializerSpec, resolve
+from ..serialize.resolve import SerializerSpec, passed_on, resolve
 
 __all__ = [
     "Call",
@@ -398,7 +398,7 @@ class Client:
             capacity,
             max_messages,
             workers,
-            serializer=self._ser,
+            serializer=passed_on(self._ser),
             name=name or f"rpc-{secrets.token_hex(6)}",
             listen=listen,
             secret=secret,
@@ -739,7 +739,7 @@ class Client:
         await self._send()
 
     async def _connect_reply(self, rank: int) -> Reader[Any]:
-        serializer = self._ser if self._ser.name == "custom" else None
+        serializer = passed_on(self._ser) if self._ser.name == "custom" else None
         await checkpoint()
         slot = self._calls.remote_reader(rank)
         if slot is not None:
@@ -1000,10 +1000,16 @@ class _Worker:
         # A pickle serializer sends a batch of replies as one pickled list: box its values.
         self.boxes = isinstance(self.ser, PickleSerializer)
         self.replies: Writer[Any] = create(
-            capacity, 1 << 16, 1, serializer=self.ser, name=_reply_name(handle.name, rank)
+            capacity,
+            1 << 16,
+            1,
+            serializer=passed_on(self.ser),
+            name=_reply_name(handle.name, rank),
         )
         try:
-            self.calls: Reader[Any] = connect(handle.name, rank, serializer=self.ser, spin=spin)
+            self.calls: Reader[Any] = connect(
+                handle.name, rank, serializer=passed_on(self.ser), spin=spin
+            )
         except BaseException:
             self.replies.close()
             raise
@@ -1037,7 +1043,7 @@ class _Worker:
                 capacity,
                 1 << 16,
                 1,
-                serializer=self.ser,
+                serializer=passed_on(self.ser),
                 listen=listen,
                 secret=options.secret,
                 insecure_loopback=options.insecure_loopback,

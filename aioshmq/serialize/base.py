@@ -32,8 +32,10 @@ def unserializable(obj: object, exc: Exception, serializer: str) -> Serializatio
 
 
 @runtime_checkable
-class UserSerializer(Protocol):
-    """Anything with ``dumps(obj) -> bytes-like`` and ``loads(bytes) -> obj``."""
+class PlainSerializer(Protocol):
+    """A serializer of your own whose messages are one byte string: anything with
+    ``dumps(obj) -> bytes-like`` and ``loads(bytes) -> obj`` (the ``pickle`` and ``marshal``
+    modules are two).  Readers pass the same object to ``connect``."""
 
     def dumps(self, obj: Any, /) -> Any: ...
 
@@ -102,7 +104,7 @@ class BufferSerializer(Protocol):
 
 
 class CustomSerializer(Serializer):
-    def __init__(self, user: UserSerializer | BufferSerializer) -> None:
+    def __init__(self, user: PlainSerializer | BufferSerializer) -> None:
         self._user = user
         self._oob = getattr(user, "out_of_band", False) is True
         self._owner = type(user).__qualname__

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
-from .base import BufferSerializer, CustomSerializer, RawSerializer, Serializer, UserSerializer
+from .base import BufferSerializer, CustomSerializer, PlainSerializer, RawSerializer, Serializer
+from .msgpack import MsgpackSerializer
 from .pickling import CloudpickleSerializer, PickleSerializer
 
 
 def _msgpack() -> Serializer:
-    from .msgpack import MsgpackSerializer  # imports msgspec, an optional dependency
-
-    return MsgpackSerializer()
+    return MsgpackSerializer()  # needs msgspec, an optional dependency
 
 
 _NAMED: dict[str, Callable[[], Serializer]] = {
@@ -21,10 +21,11 @@ _NAMED: dict[str, Callable[[], Serializer]] = {
     "msgpack": _msgpack,
 }
 
-SerializerSpec = str | UserSerializer | BufferSerializer | Serializer
+# What users may pass: public names only (CloudpickleSerializer is a PickleSerializer).
+SerializerSpec = str | PickleSerializer | MsgpackSerializer | PlainSerializer | BufferSerializer
 
 
-def resolve(spec: SerializerSpec) -> Serializer:
+def resolve(spec: SerializerSpec | Serializer) -> Serializer:
     """The serializer named or given; a clear error for anything else."""
     if isinstance(spec, str):
         try:
@@ -44,3 +45,9 @@ def resolve(spec: SerializerSpec) -> Serializer:
             f"(dumps={dumps!r}, loads={loads!r})"
         )
     return CustomSerializer(spec)
+
+
+def passed_on(ser: Serializer) -> SerializerSpec:
+    """A resolved serializer, to pass to ``create`` or ``connect``: they take it back as it
+    is (``resolve``), though users may pass only the kinds ``SerializerSpec`` names."""
+    return cast(SerializerSpec, ser)
