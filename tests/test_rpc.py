@@ -162,6 +162,7 @@ async def test_results_subsets_and_unique_reply(anyio_backend: object, children:
             assert await client.call("recorded") == [["y"], ["y"], ["x", "y"]]
             stats = client.statistics()
             assert stats.workers == 3 and stats.calls_submitted == 10 and stats.calls_pending == 0
+            assert stats.workers_attached == 3
     assert await _exit_codes(children) == [0, 0, 0]  # the client closed: serve() returned
 
 

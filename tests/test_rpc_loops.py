@@ -137,7 +137,7 @@ async def test_wait_workers_times_out_naming_the_workers_missing(
             children.start, "fork", _worker, client.handle, 1, backend, None
         )
         with anyio.fail_after(TIMEOUT):
-            while client._calls.statistics().readers_attached < 1:  # worker 1 attached
+            while client.statistics().workers_attached < 1:  # worker 1 attached: nothing to await
                 await anyio.sleep(0.01)
             began = time.monotonic()
             with pytest.raises(

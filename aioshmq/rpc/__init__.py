@@ -188,6 +188,7 @@ class ClientStatistics(NamedTuple):
     replies_received: int  #: replies read from the workers
     wakeups_sent: int  #: wake-up syscalls made to sleeping workers
     calls_cancelled: int  #: calls withdrawn (cancel(), or their awaiting task cancelled)
+    workers_attached: int  #: workers whose slot of the call ring is held now
 
 
 class Call:
@@ -707,6 +708,7 @@ class Client:
             replies_received=self._received,
             wakeups_sent=stats.wakeups_sent,
             calls_cancelled=self._cancelled,
+            workers_attached=stats.readers_attached,
         )
 
     # -- the client's tasks ------------------------------------------------------------------
