@@ -3,12 +3,14 @@ the rpc_client helper driven directly."""
 
 from __future__ import annotations
 
+import asyncio
 import textwrap
 import time
 from pathlib import Path
 
 import anyio
 import pytest
+import sniffio
 from test_readme import _blocks
 
 from aioshmq import PeerDied
@@ -250,6 +252,13 @@ class AsyncModel:
         await anyio.sleep(seconds)
         return self.rank
 
+    async def loop(self) -> str:
+        """The event loop this worker serves on."""
+        name = sniffio.current_async_library()
+        if name == "asyncio" and "uvloop" in type(asyncio.get_running_loop()).__module__:
+            return "uvloop"
+        return name
+
     def forward(self, x: int) -> int:
         return self.rank + x
 
@@ -288,6 +297,23 @@ async def test_rpc_client_serve_chooses_how_the_workers_serve(anyio_backend: obj
                 await client.call("slow", 0.0)
     with pytest.raises(ValueError, match="serve must be 'auto', 'sync' or 'async', not 'trio'"):
         async with rpc_client(PlainModel, workers=1, method=START, serve="trio"):
+            pass
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_rpc_client_runs_async_workers_on_the_event_loop_asked_for(
+    anyio_backend: object,
+) -> None:
+    with anyio.fail_after(60):
+        for backend in ("asyncio", "uvloop", "trio"):
+            async with rpc_client(
+                AsyncModel, workers=2, method=START, worker_backend=backend
+            ) as client:
+                assert await client.call("loop") == [backend, backend]
+    with pytest.raises(ValueError, match=r"worker_backend must be .* not 'curio'"):
+        async with rpc_client(AsyncModel, workers=1, method=START, worker_backend="curio"):
             pass
 
 
@@ -395,6 +421,7 @@ ON_UVLOOP = """
 import asyncio
 
 import pytest
+import sniffio
 
 
 @pytest.mark.asyncio(loop_scope="session")

@@ -109,6 +109,7 @@ class Rings:
 
 
 SERVE_MODES = ("auto", "sync", "async")
+WORKER_BACKENDS = ("asyncio", "uvloop", "trio")
 
 
 def _has_async_methods(target: object) -> bool:
@@ -128,10 +129,16 @@ def _has_async_methods(target: object) -> bool:
     return False
 
 
-def _serve(handle: rpc.RpcHandle, rank: int, make: Callable[[int], object], serve: str) -> None:
+def _serve(
+    handle: rpc.RpcHandle, rank: int, make: Callable[[int], object], serve: str, backend: str
+) -> None:
     target = make(rank)
     if serve == "async" or (serve == "auto" and _has_async_methods(target)):
-        anyio.run(rpc.serve, handle, rank, target)
+        if backend == "uvloop":
+            options = {"use_uvloop": True}
+            anyio.run(rpc.serve, handle, rank, target, backend="asyncio", backend_options=options)
+        else:
+            anyio.run(rpc.serve, handle, rank, target, backend=backend)
     else:
         rpc.serve_sync(handle, rank, target)
 
@@ -188,6 +195,7 @@ async def rpc_client(
     *,
     method: str = "spawn",
     serve: Literal["auto", "sync", "async"] = "auto",
+    worker_backend: Literal["asyncio", "uvloop", "trio"] = "asyncio",
     **client: Any,
 ) -> AsyncIterator[rpc.Client]:
     """An ``rpc.Client`` with ``workers`` worker processes started with ``method``, each
@@ -196,19 +204,25 @@ async def rpc_client(
     ends.  Fit for a session-scoped async fixture: it may be left from another task.
 
     ``serve`` says how the workers serve: "sync" with ``rpc.serve_sync``, "async" with
-    ``rpc.serve`` under ``anyio.run`` (asyncio), "auto" (the default) with ``rpc.serve`` if
-    the target has a public ``async def`` method and ``rpc.serve_sync`` if not.  A worker
+    ``rpc.serve`` under ``anyio.run``, "auto" (the default) with ``rpc.serve`` if the
+    target has a public ``async def`` method and ``rpc.serve_sync`` if not;
+    ``worker_backend`` is the event loop ``rpc.serve`` runs on there ("asyncio", "uvloop"
+    or "trio"; the test's own may differ: the workers are processes of their own).  A worker
     process that exits before attaching fails the block at once with ``PeerDied`` naming
     the exit codes; workers still not attached after 60 s fail it with ``TimeoutError``.
     """
     if serve not in SERVE_MODES:
         raise ValueError(f"serve must be 'auto', 'sync' or 'async', not {serve!r}")
+    if worker_backend not in WORKER_BACKENDS:
+        raise ValueError(
+            f"worker_backend must be 'asyncio', 'uvloop' or 'trio', not {worker_backend!r}"
+        )
     procs = Processes()
     try:
         async with rpc.Client(workers, **client) as c:
             for rank in range(workers):
                 start = functools.partial(
-                    procs.start, _serve, c.handle, rank, make, serve, method=method
+                    procs.start, _serve, c.handle, rank, make, serve, worker_backend, method=method
                 )
                 await anyio.to_thread.run_sync(start)
             await _wait_attached(c, procs.procs)
