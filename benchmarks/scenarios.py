@@ -727,29 +727,18 @@ def lag(bench: Bench) -> None:
         longest, p99 = run_backend("asyncio", idle_ticks, bench.budget.latency_seconds)
         return {key: longest if "max" in key else p99 for key in gap_units}
 
-    bench.measure(
-        "lag",
-        case,
-        "aioshmq",
-        {**gap_units, "throughput": "GB/s"},
-        {
-            "bytes": count * nbytes,
-            "message_bytes": nbytes,
-            "readers": 2,
-            "tick_ms": 1.0,
-            "capacity": SMALL_CAPACITY,
-            "backend": "asyncio",
-            "how": "put/get, a ticker task in each of the 3 loops",
-        },
-        measure,
-        absent=_numpy_missing(),
-    )
     # Plain beside CURVE: what the encryption's CPU, on as few cores as there are
     # processes, adds to the lag.
-    for peer in (AIOSHMQ_REMOTE, AIOSHMQ_PLAIN):
+    ticker = "a ticker task in each of the 3 loops"
+    rows = [(case, AIOSHMQ, f"put/get, {ticker}", None)]
+    rows += [
+        (f"{count} x 1 MiB to 2 remote readers", peer, f"{peer.how}; {ticker}", peer.missing())
+        for peer in (AIOSHMQ_REMOTE, AIOSHMQ_PLAIN)
+    ]
+    for row_case, peer, how, absent in rows:
         bench.measure(
             "lag",
-            f"{count} x 1 MiB to 2 remote readers",
+            row_case,
             peer.name,
             {**gap_units, "throughput": "GB/s"},
             {
@@ -759,10 +748,10 @@ def lag(bench: Bench) -> None:
                 "tick_ms": 1.0,
                 "capacity": SMALL_CAPACITY,
                 "backend": "asyncio",
-                "how": f"{peer.how}; a ticker task in each of the 3 loops",
+                "how": how,
             },
             partial(measure, peer=peer),
-            absent=_numpy_missing() or peer.missing(),
+            absent=_numpy_missing() or absent,
         )
     bench.measure(
         "lag",

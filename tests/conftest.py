@@ -72,6 +72,23 @@ def run_backend(name: str, fn: Callable[..., Any], *args: Any) -> Any:
     return anyio.run(fn, *args, backend=name)
 
 
+class Recorder:
+    """What every rpc test target serves: an echo, and a record of what it was given."""
+
+    def __init__(self) -> None:
+        self.seen: list[Any] = []
+
+    def echo(self, x: Any) -> Any:
+        return x
+
+    def record(self, x: Any) -> Any:
+        self.seen.append(x)
+        return x
+
+    def recorded(self) -> list[Any]:
+        return self.seen
+
+
 class Children(Processes):
     """The plugin's reaper, with the start method first: ``children.start(method, target,
     *args)``."""

@@ -15,7 +15,7 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
-from conftest import Children, backend_name, run_backend
+from conftest import Children, Recorder, backend_name, run_backend
 
 import aioshmq
 from aioshmq import rpc
@@ -33,19 +33,16 @@ class NoPickle(Exception):
         super().__init__(f"{a}/{b}")
 
 
-class Target:
+class Target(Recorder):
     """What the test workers serve."""
 
     def __init__(self, rank: int, gate: Any = None) -> None:
+        super().__init__()
         self.rank = rank
         self.gate = gate
-        self.seen: list[Any] = []
 
     def whoami(self) -> int:
         return self.rank
-
-    def echo(self, x: Any) -> Any:
-        return x
 
     def add(self, a: int, b: int = 0) -> int:
         return a + b
@@ -53,13 +50,6 @@ class Target:
     async def async_add(self, a: int, b: int) -> int:
         await anyio.lowlevel.checkpoint()
         return a + b
-
-    def record(self, x: Any) -> Any:
-        self.seen.append(x)
-        return x
-
-    def recorded(self) -> list[Any]:
-        return self.seen
 
     def fail(self, message: str) -> None:
         raise ValueError(message)

@@ -10,7 +10,7 @@ from typing import Any
 
 import anyio
 import pytest
-from conftest import Children, backend_name, run_backend
+from conftest import Children, Recorder, backend_name, run_backend
 
 from aioshmq import rpc
 
@@ -21,24 +21,14 @@ SLOW = 10.0  # seconds a stuck call would take: a freed worker answers long befo
 BLOCK = 0.5  # seconds a plain method blocks its worker; withdrawals reach it long before
 
 
-class Target:
+class Target(Recorder):
     """What the workers serve; ``started`` is released once by each call that begins."""
 
     def __init__(self, started: Any) -> None:
+        super().__init__()
         self.started = started
-        self.seen: list[Any] = []
         self.finals = 0  # finally blocks of slow() run
         self.ended = 0  # slow() calls that ran to their end
-
-    def echo(self, x: Any) -> Any:
-        return x
-
-    def record(self, x: Any) -> Any:
-        self.seen.append(x)
-        return x
-
-    def recorded(self) -> list[Any]:
-        return self.seen
 
     async def slow(self, seconds: float) -> str:
         self.started.release()

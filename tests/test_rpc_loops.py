@@ -12,7 +12,7 @@ from typing import Any
 import anyio
 import pytest
 import uvloop
-from conftest import Children, backend_name, run_backend
+from conftest import Children, Recorder, backend_name, run_backend
 
 from aioshmq import rpc
 
@@ -21,20 +21,10 @@ pytestmark = pytest.mark.anyio
 TIMEOUT = 30  # seconds for any one test's waits on worker processes
 
 
-class Target:
+class Target(Recorder):
     def __init__(self, gate: Any) -> None:
+        super().__init__()
         self.gate = gate
-        self.seen: list[Any] = []
-
-    def echo(self, x: Any) -> Any:
-        return x
-
-    def record(self, x: Any) -> Any:
-        self.seen.append(x)
-        return x
-
-    def recorded(self) -> list[Any]:
-        return self.seen
 
     def wait_gate(self) -> None:
         assert self.gate.wait(TIMEOUT)
